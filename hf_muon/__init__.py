@@ -1,0 +1,39 @@
+"""hf_muon: the Muon optimizer for the Hugging Face training stack.
+
+``import hf_muon`` is cheap (it imports neither torch nor transformers nor deepspeed) and makes
+``TrainingArguments(optim="muon")`` / ``--optim muon`` work as soon as transformers loads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Muon", "ParameterSplit", "orthogonalize", "register_with_transformers", "split_parameters"]
+
+_LAZY = {
+    "Muon": "hf_muon.optimizer.muon",
+    "split_parameters": "hf_muon.optimizer.param_split",
+    "ParameterSplit": "hf_muon.optimizer.param_split",
+    "orthogonalize": "hf_muon.kernels.newton_schulz",
+    "register_with_transformers": "hf_muon.integrations.transformers",
+}
+
+if TYPE_CHECKING:
+    from .integrations.transformers import register_with_transformers
+    from .kernels.newton_schulz import orthogonalize
+    from .optimizer.muon import Muon
+    from .optimizer.param_split import ParameterSplit, split_parameters
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_muon' has no attribute {name!r}")
+
+
+from .integrations.import_hook import register_when_transformers_loads  # noqa: E402
+
+register_when_transformers_loads()

@@ -1,0 +1,1 @@
+"""Numerical kernels: Newton–Schulz orthogonalization."""

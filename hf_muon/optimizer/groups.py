@@ -1,0 +1,127 @@
+"""Turn whatever a user passes as ``params`` into param groups that each name their algorithm."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Iterable
+
+from torch import Tensor, nn
+
+from .param_split import ADAMW, MUON, split_parameters
+
+ALGORITHMS = (MUON, ADAMW)
+
+
+def module_behind(params: Any) -> nn.Module | None:
+    """The module behind ``params`` if it is a module or a live ``model.(named_)parameters()`` generator.
+
+    ``Muon(model.parameters())`` must behave like ``Muon(model)``: AdamW users pass the generator,
+    and without the module embeddings and heads cannot be told from hidden matrices.
+    """
+    if isinstance(params, nn.Module):
+        return params
+    if inspect.isgenerator(params) and params.gi_frame is not None:
+        if params.gi_code in (nn.Module.parameters.__code__, nn.Module.named_parameters.__code__):
+            owner = params.gi_frame.f_locals.get("self")
+            return owner if isinstance(owner, nn.Module) else None
+    return None
+
+
+def _as_group_dicts(params: Any) -> list[dict]:
+    """Normalise tensors, (name, tensor) pairs or group dicts into a list of group dicts."""
+    if isinstance(params, Tensor):
+        raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a single Tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("Muon got an empty parameter list")
+    if all(isinstance(item, dict) for item in items):
+        groups = []
+        for group in items:
+            group = dict(group)
+            plist = list(group["params"]) if not isinstance(group["params"], Tensor) else [group["params"]]
+            if plist and all(isinstance(x, tuple) for x in plist):
+                group["param_names"] = [n for n, _ in plist]
+                plist = [p for _, p in plist]
+            group["params"] = plist
+            groups.append(group)
+        return groups
+    if all(isinstance(item, tuple) and len(item) == 2 for item in items):
+        return [{"params": [p for _, p in items], "param_names": [n for n, _ in items]}]
+    if all(isinstance(item, Tensor) for item in items):
+        return [{"params": items}]
+    raise TypeError("params must be a module, or an iterable of tensors, (name, tensor) pairs or dicts")
+
+
+def build_param_groups(
+    params: Any, model: nn.Module | None = None, force_muon: str | None = None, force_adamw: str | None = None
+) -> list[dict]:
+    """Param groups for :class:`hf_muon.Muon`, each with ``"algorithm"`` set to ``"muon"`` or ``"adamw"``.
+
+    A group that pins ``"algorithm"`` is kept as it is. Any other group is split by
+    :func:`split_parameters` on ``model`` (or the module behind ``params``); without a model,
+    every tensor of 2 or more dimensions goes to Muon and a warning says how to do better.
+    """
+    model = model if model is not None else module_behind(params)
+    if isinstance(params, nn.Module):
+        split = split_parameters(params, force_muon, force_adamw)
+        return split.param_groups()
+    groups = _as_group_dicts(params)
+    table = split_parameters(model, force_muon, force_adamw).algorithm_of() if model is not None else None
+    if (force_muon or force_adamw) and model is None:
+        raise ValueError("force_muon / force_adamw need the model: pass Muon(model, ...) or Muon(params, model=model)")
+
+    result: list[dict] = []
+    guessed = False
+    for group in groups:
+        if "use_muon" in group:
+            raise ValueError(
+                "param group has a 'use_muon' key: that key makes DeepSpeed run its own Muon on the group. "
+                "Use 'algorithm': 'muon' or 'adamw' instead"
+            )
+        if "algorithm" in group:
+            result.append(group)
+            continue
+        names = group.get("param_names")
+        parts: dict[tuple[str, bool], dict] = {}
+        for i, p in enumerate(group["params"]):
+            if table is not None and id(p) in table:
+                algorithm, stacked = table[id(p)]
+            else:
+                algorithm, stacked = (MUON if p.ndim >= 2 else ADAMW), False
+                guessed = guessed or p.ndim >= 2
+            part = parts.setdefault(
+                (algorithm, stacked),
+                {**group, "params": [], "algorithm": algorithm, "stacked": stacked, **({"param_names": []} if names else {})},
+            )
+            part["params"].append(p)
+            if names:
+                part["param_names"].append(names[i])
+        result.extend(parts.values())
+    if guessed:
+        warnings.warn(
+            "hf_muon.Muon got tensors without their model, so every tensor of 2 or more dimensions goes to Muon, "
+            "including any embedding or output head among them. Pass the model (Muon(model, ...), "
+            "Muon(model.parameters(), ...) or Muon(params, model=model)) to give those AdamW.",
+            stacklevel=3,
+        )
+    return result
+
+
+def validate_group(group: dict) -> None:
+    """Check one group's algorithm and settings; raise ``ValueError`` saying what to change."""
+    algorithm = group.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
+    if "use_muon" in group:
+        raise ValueError("param group has a 'use_muon' key (DeepSpeed's own Muon flag); use 'algorithm' instead")
+    for i, p in enumerate(group["params"]):
+        if getattr(p, "use_muon", None) is not None:
+            # DeepSpeed runs its own Newton–Schulz on tensors flagged so; ours must stay in charge.
+            warnings.warn("removing the 'use_muon' attribute DeepSpeed's Muon set on a parameter", stacklevel=4)
+            del p.use_muon
+        if algorithm == MUON and p.ndim < 2:
+            name = group["param_names"][i] if "param_names" in group else f"#{i} of shape {tuple(p.shape)}"
+            raise ValueError(f"Muon needs matrices (>= 2-D); parameter {name} is {p.ndim}-D: give it 'algorithm': 'adamw'")
+        if algorithm == MUON and group.get("stacked") and p.ndim < 3:
+            raise ValueError("a group with 'stacked': True needs tensors of 3 or more dimensions (a stack of matrices)")

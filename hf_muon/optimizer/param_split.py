@@ -1,0 +1,193 @@
+"""Which parameters get Muon and which get AdamW, decided from the model's structure.
+
+Muon is for the weights of hidden matrix layers. Embeddings, output heads and everything tied to
+them, position embeddings, heads outside the model body, norms, biases and scalars get AdamW. The
+decision uses module types and the model's own accessors (``get_input_embeddings``,
+``get_output_embeddings``, ``base_model_prefix``, parameter identity for tied weights), never name
+patterns; ``force_muon`` / ``force_adamw`` regexes let a user override it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+
+MUON, ADAMW = "muon", "adamw"
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@dataclass
+class ParameterSplit:
+    """The result of :func:`split_parameters`.
+
+    Attributes:
+        muon: ``(name, parameter)`` pairs optimized by Muon.
+        adamw: ``(name, parameter)`` pairs optimized by AdamW.
+        reasons: why each parameter (by name) went where it did.
+        stacked: names of Muon parameters whose leading dimension stacks independent matrices
+            (MoE expert weights): one Newton–Schulz per expert.
+    """
+
+    muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    stacked: set[str] = field(default_factory=set)
+
+    def algorithm_of(self) -> dict[int, tuple[str, bool]]:
+        """``id(parameter) -> (algorithm, stacked)`` for every parameter in the split."""
+        table = {id(p): (MUON, n in self.stacked) for n, p in self.muon}
+        table.update({id(p): (ADAMW, False) for _, p in self.adamw})
+        return table
+
+    def param_groups(self, no_decay: Iterable[str] = (), weight_decay: float | None = None) -> list[dict]:
+        """Named param groups for :class:`hf_muon.Muon`, one per (algorithm, stacked, decays).
+
+        Parameters named in ``no_decay`` get ``weight_decay=0`` (Trainer's biases-and-norms rule);
+        the others get ``weight_decay`` when given, else the optimizer's default.
+        """
+        no_decay = set(no_decay)
+        buckets: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        for algorithm, pairs in ((MUON, self.muon), (ADAMW, self.adamw)):
+            for name, p in pairs:
+                key = (algorithm, name in self.stacked, name not in no_decay)
+                buckets.setdefault(key, []).append((name, p))
+        groups = []
+        for (algorithm, stacked, decays), pairs in buckets.items():
+            group = {
+                "params": [p for _, p in pairs],
+                "param_names": [n for n, _ in pairs],
+                "algorithm": algorithm,
+                "stacked": stacked,
+            }
+            if not decays:
+                group["weight_decay"] = 0.0
+            elif weight_decay is not None:
+                group["weight_decay"] = weight_decay
+            groups.append(group)
+        return groups
+
+
+def _params_of(module: nn.Module | None) -> set[int]:
+    return {id(p) for p in module.parameters()} if isinstance(module, nn.Module) else set()
+
+
+def _accessor(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return getattr(model, name)() if hasattr(model, name) else None
+    except (NotImplementedError, AttributeError):  # base classes raise when a model has none
+        return None
+
+
+def model_body(model: nn.Module) -> tuple[str, nn.Module]:
+    """The model body (``model.<base_model_prefix>``) and its name prefix; the model itself if none."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    body = getattr(model, prefix, None) if prefix else None
+    if isinstance(body, nn.Module) and body is not model:
+        return prefix + ".", body
+    return "", model
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2) is a Linear with a transposed weight; only look it up if
+    # transformers is already loaded, so this module never imports it.
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
+
+
+def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tuple[str, str, bool]:
+    """(algorithm, reason, stacked) for a parameter that lives in the model body."""
+    kind = type(module).__name__
+    if p.ndim < 2:
+        what = "bias" if local_name == "bias" else ("norm weight" if "Norm" in kind else "vector or scalar")
+        return ADAMW, f"{what} ({kind}.{local_name}, {p.ndim}-D)", False
+    if isinstance(module, nn.Embedding):
+        return ADAMW, f"embedding table ({kind})", False
+    if local_name == "weight" and isinstance(module, nn.Linear):
+        return MUON, f"hidden matrix ({kind})", False
+    if local_name == "weight" and _is_hf_conv1d(module):
+        return MUON, "hidden matrix (transformers Conv1D)", False
+    if local_name == "weight" and isinstance(module, _CONV_TYPES):
+        return MUON, f"hidden convolution ({kind}, viewed as out x in*kernel)", False
+    num_experts = getattr(module, "num_experts", None)
+    if isinstance(num_experts, int) and p.shape[0] == num_experts:
+        if p.ndim == 3:
+            return MUON, f"stacked expert matrices ({num_experts} x {p.shape[1]} x {p.shape[2]})", True
+        if p.ndim == 2:
+            return MUON, f"MoE router matrix ({kind})", False
+    return ADAMW, f"parameter of {kind} that is not a matrix layer's weight", False
+
+
+def split_parameters(
+    model: nn.Module, force_muon: str | None = None, force_adamw: str | None = None
+) -> ParameterSplit:
+    """Split ``model``'s parameters between Muon and AdamW, with the reason for each.
+
+    Args:
+        model: any ``nn.Module``; Hugging Face models are recognised by their accessors.
+        force_muon: regex (``re.search`` on the parameter name) of parameters to give Muon anyway.
+            They must be at least 2-D.
+        force_adamw: regex of parameters to give AdamW anyway.
+
+    Returns:
+        A :class:`ParameterSplit`. Tied parameters appear once, under their first name.
+    """
+    muon_re = re.compile(force_muon) if force_muon else None
+    adamw_re = re.compile(force_adamw) if force_adamw else None
+    input_embeddings = _params_of(_accessor(model, "get_input_embeddings"))
+    output_embeddings = _params_of(_accessor(model, "get_output_embeddings"))
+    body_prefix, body = model_body(model)
+    in_body = _params_of(body)
+
+    split = ParameterSplit()
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for local_name, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{local_name}" if module_name else local_name
+            if id(p) in seen:
+                continue  # a tied parameter, already placed under its first name
+            seen.add(id(p))
+            stacked = False
+            if id(p) in input_embeddings:
+                algorithm, reason = ADAMW, "input embedding" + (" (tied to the output)" if id(p) in output_embeddings else "")
+            elif id(p) in output_embeddings:
+                algorithm, reason = ADAMW, "output embedding / LM head"
+            elif id(p) not in in_body:
+                algorithm, reason = ADAMW, f"head outside the model body ({body_prefix.rstrip('.')})"
+            else:
+                algorithm, reason, stacked = _classify_in_body(module, local_name, p)
+            matched_muon = bool(muon_re and muon_re.search(name))
+            matched_adamw = bool(adamw_re and adamw_re.search(name))
+            if matched_muon and matched_adamw:
+                raise ValueError(f"parameter {name!r} matches both force_muon and force_adamw; make the regexes disjoint")
+            if matched_muon:
+                if p.ndim < 2:
+                    raise ValueError(
+                        f"force_muon matched {name!r} of shape {tuple(p.shape)}; Muon needs a matrix (>= 2-D): "
+                        "narrow the force_muon regex"
+                    )
+                algorithm, reason = MUON, f"force_muon override (was: {reason})"
+            elif matched_adamw:
+                algorithm, reason, stacked = ADAMW, f"force_adamw override (was: {reason})", False
+            (split.muon if algorithm == MUON else split.adamw).append((name, p))
+            split.reasons[name] = reason
+            if stacked:
+                split.stacked.add(name)
+    return split
+
+
+def optimizer_state_bytes(split: ParameterSplit, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+    """Optimizer-state bytes: Muon keeps one buffer per element, AdamW two."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    muon = sum(p.numel() for _, p in split.muon)
+    adamw = sum(p.numel() for _, p in split.adamw)
+    return {
+        "hf_muon": size * (muon + 2 * adamw),
+        "all_adamw": size * 2 * (muon + adamw),
+        "muon_params": muon,
+        "adamw_params": adamw,
+    }

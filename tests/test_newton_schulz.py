@@ -1,0 +1,56 @@
+"""The Newton–Schulz kernel: orthogonality, batching, tall matrices."""
+
+import pytest
+import torch
+
+from hf_muon import orthogonalize
+from hf_muon.kernels.newton_schulz import coefficient_schedule
+
+
+def singular_values(x):
+    return torch.linalg.svdvals(x.double())
+
+
+@pytest.mark.parametrize("shape, steps", [((32, 128), 8), ((128, 32), 8), ((64, 64), 10)])
+def test_polar_express_converges_to_orthogonal(shape, steps):
+    # a square Gaussian matrix has singular values near 0: it needs more iterations
+    torch.manual_seed(0)
+    g = torch.randn(shape)
+    s = singular_values(orthogonalize(g, steps=steps, coefficients="polar_express", dtype=torch.float32))
+    assert s.min() > 0.97 and s.max() < 1.03
+
+
+@pytest.mark.parametrize("shape", [(48, 96), (32, 128), (128, 32)])
+def test_quintic_lands_in_its_band(shape):
+    torch.manual_seed(0)
+    g = torch.randn(shape)
+    o = orthogonalize(g, steps=5, coefficients="quintic", dtype=torch.float32)
+    assert o.shape == g.shape
+    s = singular_values(o)
+    assert s.min() > 0.6 and s.max() < 1.25
+
+
+def test_result_approximates_polar_factor_direction():
+    torch.manual_seed(0)
+    g = torch.randn(48, 96)
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    polar = (u @ vh).float()
+    o = orthogonalize(g, steps=8, coefficients="polar_express", dtype=torch.float32)
+    assert ((o - polar).norm() / polar.norm()) < 0.05
+
+
+def test_batched_equals_one_by_one():
+    torch.manual_seed(0)
+    g = torch.randn(5, 24, 40)
+    batched = orthogonalize(g, dtype=torch.float32)
+    single = torch.stack([orthogonalize(m, dtype=torch.float32) for m in g])
+    assert torch.allclose(batched, single, atol=1e-5)
+
+
+def test_bf16_default_and_errors():
+    assert orthogonalize(torch.randn(8, 4)).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="matrix"):
+        orthogonalize(torch.randn(8))
+    with pytest.raises(ValueError, match="ns_coefficients"):
+        coefficient_schedule("cubic", 5)
+    assert len(coefficient_schedule("polar_express", 10)) == 10

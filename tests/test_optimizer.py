@@ -1,0 +1,290 @@
+"""hf_muon.Muon against the definitions it promises: torch.optim.Muon's update and torch.optim.AdamW's."""
+
+import copy
+import io
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from hf_muon import Muon
+from hf_muon.kernels.newton_schulz import QUINTIC
+from hf_muon.optimizer.muon import lr_scale
+
+
+def reference_muon_step(p, grad, buf, *, lr, wd, momentum=0.95, nesterov=True, steps=5, rule="match_rms_adamw"):
+    """torch.optim.Muon's per-matrix update written out, in float32 throughout."""
+    buf.lerp_(grad, 1 - momentum)
+    u = grad.lerp(buf, momentum) if nesterov else buf.clone()
+    x = u.T if u.shape[0] > u.shape[1] else u
+    x = x / x.norm().clamp(min=1e-7)
+    a, b, c = QUINTIC
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    o = x.T if u.shape[0] > u.shape[1] else x
+    rows, cols = p.shape
+    scale = 0.2 * math.sqrt(max(rows, cols)) if rule == "match_rms_adamw" else math.sqrt(max(1, rows / cols))
+    p.mul_(1 - lr * wd)
+    p.add_(o, alpha=-lr * scale)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("rule", ["match_rms_adamw", "original"])
+def test_fp32_matches_reference_definition(nesterov, rule):
+    torch.manual_seed(0)
+    shapes = [(32, 16), (16, 48), (24, 24), (16, 48)]  # tall, wide, square, and a repeated shape (batched)
+    params = [torch.randn(s) for s in shapes]
+    ref = [p.clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    leaves = [nn.Parameter(p) for p in params]
+    opt = Muon([{"params": leaves, "algorithm": "muon"}], lr=0.02, weight_decay=0.1, nesterov=nesterov,
+               ns_dtype=torch.float32, adjust_lr=rule)
+    for _ in range(5):
+        grads = [torch.randn(s) for s in shapes]
+        for leaf, g in zip(leaves, grads):
+            leaf.grad = g.clone()
+        opt.step()
+        for r, g, b in zip(ref, grads, bufs):
+            reference_muon_step(r, g, b, lr=0.02, wd=0.1, nesterov=nesterov, rule=rule)
+    for leaf, r in zip(leaves, ref):
+        assert rel(leaf.detach(), r) < 1e-5
+
+
+def test_default_dtype_matches_torch_muon():
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32, 96), (48, 48)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = Muon([{"params": ours, "algorithm": "muon"}], lr=0.01, weight_decay=0.1)
+    ref = torch.optim.Muon(theirs, lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    for _ in range(5):
+        for a, b in zip(ours, theirs):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        # both run Newton–Schulz in bf16; batching and op order differ at bf16 round-off
+        assert rel(a.detach(), b.detach()) < 2e-2
+        assert torch.allclose(a, b, atol=3e-2)
+
+
+@pytest.mark.parametrize("foreach", [None, False, True])
+def test_adamw_half_is_bit_for_bit_torch_adamw(foreach):
+    torch.manual_seed(0)
+    shapes = [(7,), (3,), ()]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    kw = dict(lr=3e-3, weight_decay=0.05, betas=(0.8, 0.99), eps=1e-7, foreach=foreach)
+    opt = Muon([{"params": ours, "algorithm": "adamw"}], **kw)
+    ref = torch.optim.AdamW(theirs, **kw)
+    for _ in range(6):
+        for a, b in zip(ours, theirs):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
+
+
+def test_adamw_lr_applies_to_adamw_half_only():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = Muon(model, lr=0.02, adamw_lr=3e-4)
+    lrs = {g["algorithm"]: g["lr"] for g in opt.param_groups}
+    assert lrs == {"muon": 0.02, "adamw": 3e-4}
+
+
+def test_conv_weight_is_one_matrix_and_experts_one_per_expert():
+    torch.manual_seed(0)
+    conv = nn.Parameter(torch.randn(8, 3, 3, 3))
+    experts = nn.Parameter(torch.randn(4, 12, 6))
+    opt = Muon([{"params": [conv], "algorithm": "muon"},
+                {"params": [experts], "algorithm": "muon", "stacked": True}],
+               lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, ns_dtype=torch.float32)
+    conv.grad, experts.grad = torch.randn_like(conv), torch.randn_like(experts)
+    c0, e0 = conv.detach().clone(), experts.detach().clone()
+    g_conv, g_exp = conv.grad.clone(), experts.grad.clone()
+    opt.step()
+    # conv: one 8 x 27 matrix; experts: 4 independent 12 x 6 matrices
+    ref_c = c0.reshape(8, 27).clone()
+    reference_muon_step(ref_c, g_conv.reshape(8, 27), torch.zeros(8, 27), lr=0.1, wd=0.0, momentum=0.0, nesterov=False)
+    assert rel(conv.detach().reshape(8, 27), ref_c) < 1e-5
+    for e in range(4):
+        ref_e = e0[e].clone()
+        reference_muon_step(ref_e, g_exp[e], torch.zeros(12, 6), lr=0.1, wd=0.0, momentum=0.0, nesterov=False)
+        assert rel(experts.detach()[e], ref_e) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mixed_precision_parameters_train(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(dtype)
+    # AdamW's default eps=1e-8 is 0 in fp16 (so torch.optim.AdamW divides by zero too): use 1e-4 there
+    opt = Muon(model, lr=1e-2, eps=1e-4 if dtype == torch.float16 else 1e-8)
+    x = torch.randn(64, 16, dtype=dtype)
+    y = torch.randn(64, 16, dtype=dtype)
+    losses = []
+    for _ in range(20):
+        loss = (model(x).float() - y.float()).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(p.dtype == dtype for p in model.parameters())
+    assert all(v.dtype == dtype for s in opt.state.values() for k, v in s.items() if k != "step")
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_non_finite_gradients_leave_everything_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = Muon(model, lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    model[1].bias.grad[0] = float("nan")
+    with pytest.warns(UserWarning, match="non-finite"):
+        opt.step()
+    assert opt.skipped_steps == 1
+    after = opt.state_dict()
+    for k, s in before["state"].items():
+        for name, v in s.items():
+            assert torch.equal(v, after["state"][k][name])
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
+
+
+def _train(model, opt, batches):
+    for x in batches:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def test_state_dict_round_trip_and_resume_is_exact():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batches = [torch.randn(5, 8) for _ in range(8)]
+
+    straight = copy.deepcopy(base)
+    opt = Muon(straight, lr=1e-2)
+    _train(straight, opt, batches)
+
+    first = copy.deepcopy(base)
+    opt1 = Muon(first, lr=1e-2)
+    _train(first, opt1, batches[:4])
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+
+    resumed = copy.deepcopy(base)
+    resumed.load_state_dict(saved["model"])
+    opt2 = Muon(resumed, lr=1e-2)
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.state_dict()["param_groups"] == opt1.state_dict()["param_groups"]
+    _train(resumed, opt2, batches[4:])
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_state_holds_momentum_for_muon_and_moments_for_adamw():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = Muon(model)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert set(opt.state[model[0].weight]) == {"momentum_buffer"}
+    for p in (model[0].bias, model[1].weight, model[1].bias):
+        assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lr=-1.0), "lr must be"),
+        (dict(momentum=1.0), "momentum must be in"),
+        (dict(momentum=-0.1), "momentum must be in"),
+        (dict(weight_decay=-1), "weight_decay"),
+        (dict(ns_coefficients="cubic"), "ns_coefficients must be one of"),
+        (dict(adjust_lr="spectral"), "adjust_lr must be one of"),
+        (dict(ns_steps=0), "ns_steps"),
+        (dict(ns_dtype="int8"), "ns_dtype"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(adamw_lr=-1e-3), "adamw_lr"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Muon(nn.Linear(4, 4), **kwargs)
+
+
+def test_complex_and_sparse_gradients_are_refused():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = Muon([{"params": emb.parameters(), "algorithm": "adamw"}])
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="sparse"):
+        opt.step()
+    z = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    opt = Muon([{"params": [z], "algorithm": "muon"}])
+    z.grad = torch.randn_like(z)
+    with pytest.raises(ValueError, match="complex"):
+        opt.step()
+
+
+def test_pinned_muon_group_refuses_vectors_and_use_muon_key():
+    with pytest.raises(ValueError, match="1-D"):
+        Muon([{"params": [nn.Parameter(torch.zeros(3))], "algorithm": "muon"}])
+    with pytest.raises(ValueError, match="use_muon"):
+        Muon([{"params": [nn.Parameter(torch.zeros(3, 3))], "use_muon": True}])
+
+
+def test_use_muon_attribute_is_removed_with_a_warning():
+    lin = nn.Linear(4, 4)
+    lin.weight.use_muon = True
+    with pytest.warns(UserWarning, match="use_muon"):
+        Muon(lin)
+    assert not hasattr(lin.weight, "use_muon")
+
+
+def test_bare_tensors_warn_that_embeddings_cannot_be_identified():
+    params = [nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))]
+    with pytest.warns(UserWarning, match="without their model"):
+        opt = Muon(params)
+    assert sorted(g["algorithm"] for g in opt.param_groups) == ["adamw", "muon"]
+
+
+def test_lr_scale_rules():
+    assert lr_scale(1024, 256, "match_rms_adamw") == pytest.approx(0.2 * 32)
+    assert lr_scale(1024, 256, "original") == pytest.approx(2.0)
+    assert lr_scale(256, 1024, "original") == pytest.approx(1.0)
+
+
+def test_every_update_scales_with_lr():
+    # DCP's optimizer-state loader runs one step with zero grads and lr=0: nothing may move.
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    opt = Muon(model, lr=0.0, weight_decay=0.1)
+    model(torch.randn(2, 8)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_import_is_cheap_and_does_not_import_deepspeed():
+    code = "import sys, hf_muon; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
