@@ -1,0 +1,86 @@
+"""``hf-muon``: command-line tools.
+
+    hf-muon inspect MODEL_DIR_OR_CONFIG   which parameters get Muon or AdamW, and optimizer-state bytes
+    hf-muon run SCRIPT [ARGS...]          same as ``python -m hf_muon.run SCRIPT [ARGS...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _build_model(path: str):
+    """Build the model a config describes, on the meta device (no weights read, no memory used)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    architectures = getattr(config, "architectures", None) or []
+    model_cls = getattr(transformers, architectures[0], None) if architectures else None
+    with torch.device("meta"):
+        if model_cls is not None:
+            return model_cls._from_config(config)
+        return transformers.AutoModel.from_config(config)
+
+
+def _human(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.1f}{unit}" if unit else f"{int(n)}"
+        n /= 1000
+    return f"{n:.1f}P"
+
+
+def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | None = None) -> str:
+    """The split of the model at ``path`` (a model folder or a config.json) as a text table."""
+    from .optimizer.param_split import optimizer_state_bytes, split_parameters
+
+    model = _build_model(path)
+    split = split_parameters(model, force_muon, force_adamw)
+    algorithm = {n: "muon" for n, _ in split.muon} | {n: "adamw" for n, _ in split.adamw}
+    order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    rows = sorted(((n, "x".join(map(str, p.shape)), p.numel(), algorithm[n], split.reasons[n])
+                   for n, p in split.muon + split.adamw), key=lambda r: order[r[0]])
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{type(model).__name__} from {path}", "",
+             f"{'parameter':<{width}}  {'shape':>14}  {'params':>9}  {'optim':<5}  reason"]
+    lines += [f"{n:<{width}}  {s:>14}  {_human(k):>9}  {a:<5}  {why}" for n, s, k, a, why in rows]
+    state = optimizer_state_bytes(split)
+    total = state["muon_params"] + state["adamw_params"]
+    lines += [
+        "",
+        f"Muon:  {len(split.muon):4d} tensors, {_human(state['muon_params'])} parameters "
+        f"({100 * state['muon_params'] / max(total, 1):.1f}%)",
+        f"AdamW: {len(split.adamw):4d} tensors, {_human(state['adamw_params'])} parameters",
+        f"Optimizer state (fp32): hf_muon {_human(state['hf_muon'])}B vs all-AdamW {_human(state['all_adamw'])}B "
+        f"({state['hf_muon'] / max(state['all_adamw'], 1):.2f}x)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``hf-muon`` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "run":
+        from .run import main as run_main
+
+        run_main(argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="hf-muon", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="show which parameters get Muon and the optimizer-state bytes")
+    p_inspect.add_argument("model", help="a model folder or config.json (a local path: nothing is downloaded)")
+    p_inspect.add_argument("--force_muon", help="regex of parameter names to give Muon anyway")
+    p_inspect.add_argument("--force_adamw", help="regex of parameter names to give AdamW anyway")
+    sub.add_parser("run", help="run a training script with --optim muon registered (python -m hf_muon.run)")
+    args = parser.parse_args(argv)
+    if args.command == "inspect":
+        if not os.path.exists(args.model):
+            parser.error(f"{args.model}: no such file or folder (hf-muon inspect reads local configs only)")
+        print(inspect_model(args.model, args.force_muon, args.force_adamw))
+
+
+if __name__ == "__main__":
+    main()
