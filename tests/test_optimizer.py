@@ -12,7 +12,7 @@ from torch import nn
 
 from hf_muon import Muon
 from hf_muon.kernels.newton_schulz import QUINTIC
-from hf_muon.optimizer.muon import lr_scale
+from hf_muon.optimizer.muon import lr_scale, resolve_ns_dtype
 
 
 def reference_muon_step(p, grad, buf, *, lr, wd, momentum=0.95, nesterov=True, steps=5, rule="match_rms_adamw"):
@@ -58,12 +58,14 @@ def test_fp32_matches_reference_definition(nesterov, rule):
         assert rel(leaf.detach(), r) < 1e-5
 
 
-def test_default_dtype_matches_torch_muon():
+@pytest.mark.parametrize("ns_dtype", [None, "bfloat16"])
+def test_default_dtype_matches_torch_muon(ns_dtype):
+    # None is the dtype policy (float32 on CPU, bf16 on accelerators); torch.optim.Muon always uses bf16
     torch.manual_seed(0)
     shapes = [(64, 32), (32, 96), (48, 48)]
     ours = [nn.Parameter(torch.randn(s)) for s in shapes]
     theirs = [nn.Parameter(p.detach().clone()) for p in ours]
-    opt = Muon([{"params": ours, "algorithm": "muon"}], lr=0.01, weight_decay=0.1)
+    opt = Muon([{"params": ours, "algorithm": "muon"}], lr=0.01, weight_decay=0.1, ns_dtype=ns_dtype)
     ref = torch.optim.Muon(theirs, lr=0.01, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     for _ in range(5):
         for a, b in zip(ours, theirs):
@@ -266,6 +268,12 @@ def test_bare_tensors_warn_that_embeddings_cannot_be_identified():
     with pytest.warns(UserWarning, match="without their model"):
         opt = Muon(params)
     assert sorted(g["algorithm"] for g in opt.param_groups) == ["adamw", "muon"]
+
+
+def test_ns_dtype_policy():
+    assert resolve_ns_dtype(None, torch.device("cpu")) == torch.float32
+    assert resolve_ns_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert resolve_ns_dtype("bf16", torch.device("cpu")) == torch.bfloat16
 
 
 def test_lr_scale_rules():
