@@ -16,9 +16,14 @@ from torch import Tensor, nn
 from torch.optim.adam import adam as functional_adam
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
+from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
+from ..distributed.sharding import all_ranks_agree, local, make_exchange
 from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
 from .groups import build_param_groups, validate_group
 from .param_split import MUON
+
+# (blended local pieces, Newton–Schulz on whole tensors) -> orthogonalized local pieces
+Exchange = Callable[[list[Tensor], Callable[[list[Tensor]], list[Tensor]]], list[Tensor]]
 
 ADJUST_LR_RULES = ("match_rms_adamw", "original")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -93,22 +98,34 @@ def muon_update(
     ns_dtype: torch.dtype | str | None,
     adjust_lr: str,
     stacked: bool,
+    shapes: list[tuple[int, ...]] | None = None,
+    exchange: Exchange | None = None,
 ) -> None:
-    """One Muon step on ``params`` in place (the functional form of :class:`Muon`'s Muon half)."""
+    """One Muon step on ``params`` in place (the functional form of :class:`Muon`'s Muon half).
+
+    ``params``, ``grads`` and ``momentum_buffers`` may be this rank's pieces of larger tensors:
+    then ``shapes`` gives the whole tensors' shapes and ``exchange`` orthogonalizes the blended
+    pieces as whole tensors (see ``hf_muon.distributed``). Everything else is element-wise.
+    """
     if not params:
         return
+    shapes = shapes or [tuple(p.shape) for p in params]
     torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
     blended = torch._foreach_lerp(grads, momentum_buffers, momentum) if nesterov else momentum_buffers
-    ortho = orthogonalize_all(blended, stacked, ns_steps, ns_coefficients, ns_dtype)
+
+    def newton_schulz(whole: list[Tensor]) -> list[Tensor]:
+        return orthogonalize_all(whole, stacked, ns_steps, ns_coefficients, ns_dtype)
+
+    ortho = newton_schulz(blended) if exchange is None else exchange(blended, newton_schulz)
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     # Same-shape matrices share one scale, so each shape is one foreach call.
     by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-    for p, o in zip(params, ortho):
-        rows, cols = as_matrices(p, stacked).shape[1:]
+    for p, o, shape in zip(params, ortho, shapes):
+        _, rows, cols = as_matrices(torch.empty(shape, device="meta"), stacked).shape
         ps, os_ = by_scale.setdefault(lr_scale(rows, cols, adjust_lr), ([], []))
         ps.append(p)
-        os_.append(o.to(p.dtype))
+        os_.append(o.view(p.shape).to(p.dtype))
     for scale, (ps, os_) in by_scale.items():
         torch._foreach_add_(ps, os_, alpha=-lr * scale)
 
@@ -152,6 +169,14 @@ class Muon(Optimizer):
         model: the model ``params`` come from, when it cannot be found from ``params`` itself.
         force_muon, force_adamw: regexes on parameter names that override the automatic split.
         foreach: passed to the AdamW half (``None``: torch's default).
+        distributed: when ``torch.distributed`` runs with several ranks (DDP) or parameters are
+            FSDP2 ``DTensor``s, orthogonalize each matrix once on an owner rank and share the result.
+        bucket_bytes: cap on the whole-matrix bytes one exchange round gathers on owners.
+        comm_dtype: dtype of updates on the wire (``torch.bfloat16`` halves the exchange traffic).
+
+    Attributes:
+        skipped_steps: steps skipped because some gradient was not finite.
+        exchange_stats: bytes this rank sent/received in the exchange and tensors it orthogonalized.
     """
 
     def __init__(
@@ -173,6 +198,9 @@ class Muon(Optimizer):
         force_muon: str | None = None,
         force_adamw: str | None = None,
         foreach: bool | None = None,
+        distributed: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        comm_dtype: torch.dtype | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -187,8 +215,14 @@ class Muon(Optimizer):
             for group in groups:
                 if group["algorithm"] != MUON:
                     group.setdefault("lr", adamw_lr)
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         super().__init__(groups, defaults)
+        self.distributed = distributed
+        self.bucket_bytes = bucket_bytes
+        self.comm_dtype = comm_dtype
         self.skipped_steps = 0
+        self.exchange_stats = ExchangeStats()
 
     @staticmethod
     def _check_hyperparameters(h: dict) -> None:
@@ -226,13 +260,16 @@ class Muon(Optimizer):
 
     def _grads_finite(self) -> bool:
         """Refuse unsupported gradients up front, then check all are finite with one host sync."""
-        flags = []
+        flags, params = [], []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     _check_grad(p)
-                    flags.append(p.grad.isfinite().all())
-        return bool(torch.stack(flags).all()) if flags else True
+                    flags.append(local(p.grad).isfinite().all())
+                    params.append(p)
+        finite = bool(torch.stack(flags).all()) if flags else True
+        # sharded gradients: every rank must skip the same steps, or collectives would not match
+        return all_ranks_agree(finite, params) if self.distributed and params else finite
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -254,20 +291,28 @@ class Muon(Optimizer):
         return loss
 
     def _muon_group_step(self, group: dict) -> None:
-        params, grads, bufs = [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        for p in with_grad:
+            if p.ndim < 2:
+                raise RuntimeError(
+                    f"hf_muon.Muon's Muon group received a {p.ndim}-D tensor of {p.numel()} elements where it "
+                    "expects matrices: something (e.g. DeepSpeed ZeRO) flattened the parameters. Use the "
+                    "DeepSpeed binding of hf_muon, not a plain client optimizer."
+                )
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            bufs.append(state["momentum_buffer"])
+        exchange = None
+        if self.distributed:
+            exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
+                                     self.bucket_bytes, self.comm_dtype)
         muon_update(
-            params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
+            [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
+            [local(self.state[p]["momentum_buffer"]) for p in with_grad],
+            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"], stacked=group["stacked"],
+            shapes=[tuple(p.shape) for p in with_grad], exchange=exchange,
         )
 
     def _adamw_group_step(self, group: dict) -> None:

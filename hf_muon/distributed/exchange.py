@@ -1,0 +1,156 @@
+"""Gather each tensor's pieces on its owner, orthogonalize there once, send the pieces back.
+
+Only the Nesterov-blended update travels (momentum never leaves its rank). Tensors are processed
+in buckets whose full size stays under ``bucket_bytes``, so the owner's temporary memory is
+bounded; each bucket is two ``all_to_all_single`` calls (pieces in, results out), issued by every
+rank in the same order. Every rank derives all split sizes from the shared layouts, so nothing
+but the data itself is communicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .layout import TensorLayout
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+@dataclass
+class ExchangeStats:
+    """What this rank did, summed over steps: bytes it sent and received, tensors it orthogonalized."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    tensors_orthogonalized: int = 0
+
+
+def _buckets(layouts: list[TensorLayout], itemsize: int, cap: int) -> list[list[int]]:
+    buckets, current, size = [], [], 0
+    for i, layout in enumerate(layouts):
+        nbytes = layout.numel * itemsize
+        if current and size + nbytes > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _span(layout: TensorLayout, rank: int) -> slice:
+    start, end = layout.ranges[rank]
+    return slice(start, end)
+
+
+def _length(layout: TensorLayout, rank: int) -> int:
+    start, end = layout.ranges[rank]
+    return end - start
+
+
+def _all_to_all(chunks: list[list[Tensor]], recv_sizes: list[int], dtype: torch.dtype, device, group, stats) -> list[Tensor]:
+    """Send ``chunks[d]`` (concatenated) to rank ``d``; return what each rank sent here, split by source."""
+    send_sizes = [sum(c.numel() for c in per_dest) for per_dest in chunks]
+    flat = [c.reshape(-1).to(dtype) for per_dest in chunks for c in per_dest]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    stats.bytes_sent += send.numel() * send.element_size()
+    stats.bytes_received += recv.numel() * recv.element_size()
+    return list(recv.split(recv_sizes))
+
+
+def orthogonalize_distributed(
+    pieces: list[Tensor],
+    layouts: list[TensorLayout],
+    owners: list[int],
+    orthogonalize_fn: Callable[[list[Tensor]], list[Tensor]],
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    stats: ExchangeStats,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comm_dtype: torch.dtype | None = None,
+) -> list[Tensor]:
+    """Orthogonalize tensors whose pieces are spread over ranks; return this rank's piece of each result.
+
+    Args:
+        pieces: this rank's flat piece of each tensor (``layouts[i].ranges[rank]`` long, maybe empty).
+        layouts, owners: the same lists on every rank.
+        orthogonalize_fn: maps whole tensors (global shapes) to their orthogonalized updates.
+        comm_dtype: dtype on the wire (e.g. ``torch.bfloat16`` halves traffic); default: the pieces'.
+    """
+    dtype = comm_dtype or (pieces[0].dtype if pieces else torch.float32)
+    device = pieces[0].device if pieces else torch.device("cpu")
+    results: list[Tensor | None] = [None] * len(pieces)
+    for bucket in _buckets(layouts, torch.empty(0, dtype=dtype).element_size(), bucket_bytes):
+        # 1. pieces -> owners (an owner that already holds all of a tensor needs nothing)
+        needs_gather = [i for i in bucket if not layouts[i].holds_all(owners[i])]
+        send = [[] for _ in range(world)]
+        recv_sizes = [0] * world
+        for i in needs_gather:
+            owner, layout = owners[i], layouts[i]
+            if owner != rank and layout.holds(rank):
+                send[owner].append(pieces[i])
+            if owner == rank:
+                for src in range(world):
+                    if src != rank:
+                        recv_sizes[src] += _length(layout, src)
+        received = (
+            _all_to_all(send, recv_sizes, dtype, device, group, stats)
+            if any(layouts[i].holds(r) and r != owners[i] for i in needs_gather for r in range(world))
+            else [torch.empty(0, dtype=dtype, device=device)] * world
+        )
+        offsets = [0] * world
+        owned, wholes = [], []
+        for i in bucket:
+            if owners[i] != rank:
+                continue
+            layout = layouts[i]
+            if layout.holds_all(rank):
+                whole = pieces[i].reshape(layout.shape)
+            else:
+                whole = torch.empty(layout.numel, dtype=pieces[i].dtype, device=device)
+                for src in range(world):
+                    span = _span(layout, src)
+                    if src == rank:
+                        whole[span] = pieces[i]
+                    elif span.stop > span.start:
+                        whole[span] = received[src][offsets[src]: offsets[src] + span.stop - span.start]
+                        offsets[src] += span.stop - span.start
+                whole = whole.view(layout.shape)
+            owned.append(i)
+            wholes.append(whole)
+        # 2. one Newton–Schulz per owned tensor (batched by shape inside orthogonalize_fn)
+        ortho = dict(zip(owned, orthogonalize_fn(wholes))) if owned else {}
+        stats.tensors_orthogonalized += len(owned)
+        # 3. results -> every rank that holds a piece
+        send = [[] for _ in range(world)]
+        recv_sizes = [0] * world
+        for i in bucket:
+            owner, layout = owners[i], layouts[i]
+            if owner == rank:
+                flat = ortho[i].reshape(-1)
+                for dst in range(world):
+                    if dst != rank and layout.holds(dst):
+                        send[dst].append(flat[_span(layout, dst)])
+                results[i] = flat[_span(layout, rank)]
+            elif layout.holds(rank):
+                recv_sizes[owner] += _length(layout, rank)
+        if any(layouts[i].holds(r) and r != owners[i] for i in bucket for r in range(world)):
+            received = _all_to_all(send, recv_sizes, dtype, device, group, stats)
+            offsets = [0] * world
+            for i in bucket:
+                owner, layout = owners[i], layouts[i]
+                if owner != rank and layout.holds(rank):
+                    n = _length(layout, rank)
+                    results[i] = received[owner][offsets[owner]: offsets[owner] + n]
+                    offsets[owner] += n
+    return [r if r is not None else torch.empty(0, dtype=dtype, device=device) for r in results]

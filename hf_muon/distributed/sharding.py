@@ -1,0 +1,97 @@
+"""Recognise how the tensors ``step()`` is given are distributed, and build their exchange.
+
+Three cases, told apart from the tensors themselves: FSDP2 ``DTensor`` parameters sharded on
+dim 0; plain tensors while ``torch.distributed`` runs with several ranks (DDP: every rank holds
+the same all-reduced gradient); anything else is single-process and needs no exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
+from .layout import TensorLayout, replicated, row_sharded
+from .plan import assign_owners
+
+
+def _dtensor_cls():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_dtensor(t: Tensor) -> bool:
+    return dist.is_available() and isinstance(t, _dtensor_cls())
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of ``t`` (the tensor itself unless it is a ``DTensor``)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def process_group_of(params: list[Tensor]) -> tuple[dist.ProcessGroup | None, int, int] | None:
+    """``(group, rank, world)`` the tensors are spread over, or ``None`` when single-process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    sharded = [p for p in params if is_dtensor(p)]
+    if sharded:
+        from torch.distributed.tensor import Shard
+
+        mesh = sharded[0].device_mesh
+        for p in sharded:
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                raise NotImplementedError(
+                    f"hf_muon.Muon supports DTensor parameters sharded as (Shard(0),) on a 1-D mesh (FSDP2); "
+                    f"got {p.placements} on a {p.device_mesh.ndim}-D mesh"
+                )
+        if len(sharded) != len(params):
+            raise ValueError("a Muon param group mixes DTensor and plain tensors; shard the whole model with FSDP2")
+        return mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    world = dist.get_world_size()
+    return (None, dist.get_rank(), world) if world > 1 else None
+
+
+def layouts_of(params: list[Tensor], stacked: bool, world: int) -> list[TensorLayout]:
+    """Where each tensor's elements live: row blocks for DTensors, replicated otherwise."""
+    return [(row_sharded if is_dtensor(p) else replicated)(tuple(p.shape), stacked, world) for p in params]
+
+
+def make_exchange(
+    params: list[Tensor],
+    stacked: bool,
+    ns_steps: int,
+    stats: ExchangeStats,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comm_dtype: torch.dtype | None = None,
+) -> Callable | None:
+    """The exchange ``muon_update`` calls for ``params``, or ``None`` in a single process."""
+    where = process_group_of(params)
+    if where is None:
+        return None
+    group, rank, world = where
+    layouts = layouts_of(params, stacked, world)
+    owners = assign_owners(layouts, world, ns_steps)
+
+    def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
+        pieces = [b.reshape(-1) for b in blended]
+        out = orthogonalize_distributed(
+            pieces, layouts, owners, newton_schulz, group=group, rank=rank, world=world, stats=stats,
+            bucket_bytes=bucket_bytes, comm_dtype=comm_dtype,
+        )
+        return [o.view(b.shape) for o, b in zip(out, blended)]
+
+    return exchange
+
+
+def all_ranks_agree(flag: bool, params: list[Tensor]) -> bool:
+    """``flag`` and-ed over the ranks ``params`` are spread over (a no-op in a single process)."""
+    where = process_group_of(params)
+    if where is None:
+        return flag
+    t = torch.tensor([1 if flag else 0], device=local(params[0]).device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=where[0])
+    return bool(t.item())

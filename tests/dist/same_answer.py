@@ -1,0 +1,131 @@
+"""Run under ``torchrun --nproc_per_node W``: DDP or FSDP2 Muon must give the single-process answer.
+
+    torchrun --nproc_per_node 2 tests/dist/same_answer.py --backend ddp --out result.json
+
+Every rank also trains the reference (one process's view: the whole batch, no exchange), so the
+comparison needs no files. Rank 0 writes the figures the pytest side asserts on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_muon import Muon
+from hf_muon.distributed.plan import assign_owners, ns_load
+from hf_muon.distributed.sharding import layouts_of
+from hf_muon.kernels import newton_schulz
+
+
+class Block(nn.Module):
+    """Mixed shapes on purpose: square, wide, tall, GQA-like narrow, a conv."""
+
+    def __init__(self, d: int = 48) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.q = nn.Linear(d, d, bias=False)
+        self.kv = nn.Linear(d, d // 4, bias=False)
+        self.up = nn.Linear(d, 3 * d)
+        self.down = nn.Linear(3 * d, d)
+        self.conv = nn.Conv1d(d, d, 3, padding=1)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.q(h) + self.kv(h).repeat(1, 1, 4)
+        h = h + self.down(torch.relu(self.up(h)))
+        h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(self.norm(h))
+
+
+def loss_fn(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+def train(model, opt, batches, accumulation: int, rank: int, world: int) -> None:
+    for batch in batches:
+        opt.zero_grad()
+        local = batch.chunk(world)[rank] if world > 1 else batch
+        for micro in local.chunk(accumulation):
+            (loss_fn(model, micro) / accumulation).backward()
+        opt.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=["ddp", "fsdp2"], required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--comm_dtype", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = Block()
+    batches = [torch.randint(0, 64, (8, 16)) for _ in range(args.steps)]
+    opt_kwargs = dict(lr=2e-2, weight_decay=0.1)
+
+    reference = copy.deepcopy(base)
+    train(reference, Muon(reference, distributed=False, **opt_kwargs), batches, 1, 0, 1)
+
+    calls = {"n": 0}
+    original = newton_schulz.orthogonalize
+
+    def counting(G, *a, **k):
+        calls["n"] += G.shape[0] if G.ndim == 3 else 1
+        return original(G, *a, **k)
+
+    import hf_muon.optimizer.muon as muon_module
+
+    muon_module.orthogonalize = counting
+    model = copy.deepcopy(base)
+    comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
+    if args.backend == "ddp":
+        opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for module in (model.q, model.kv, model.up, model.down, model.conv):
+            fully_shard(module, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+        opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
+    train(wrapped, opt, batches, args.accumulation, rank, world)
+    muon_module.orthogonalize = original
+
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        worst = max(worst, ((full - q).abs().max() / q.abs().max()).item())
+    muon_params = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+    muon_numel = sum(p.numel() for p in muon_params)
+    figures = torch.tensor(
+        [worst, calls["n"], opt.exchange_stats.bytes_sent, opt.exchange_stats.bytes_received], dtype=torch.float64
+    )
+    gathered = [torch.zeros_like(figures) for _ in range(world)]
+    dist.all_gather(gathered, figures)
+    layouts = layouts_of(muon_params, False, world)
+    load = ns_load(layouts, assign_owners(layouts, world, 5), world, 5)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({
+                "world": world, "steps": args.steps, "muon_tensors": len(muon_params), "muon_numel": muon_numel,
+                "max_rel_diff": [g[0].item() for g in gathered], "ns_calls": [g[1].item() for g in gathered],
+                "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
+                "ns_flops_per_rank": load,
+            }, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
