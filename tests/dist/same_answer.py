@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import os
 
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--comm_dtype", default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     base = Block()
