@@ -125,12 +125,15 @@ def stdlib_corpus(megabytes: float, eval_percentage: int) -> tuple[list[str], li
     file goes to eval when its hash bucket is below ``eval_percentage``.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
+    skipped_folders = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
     candidates = sorted(
-        path.relative_to(root).as_posix()
-        for path in root.rglob("*.py")
-        if not {"site-packages", "test", "tests", "idle_test"} & set(path.relative_to(root).parts)
+        (
+            path.relative_to(root).as_posix()
+            for path in root.rglob("*.py")
+            if not skipped_folders & set(path.relative_to(root).parts)
+        ),
+        key=lambda name: hashlib.md5(name.encode()).hexdigest(),
     )
-    candidates.sort(key=lambda name: hashlib.md5(name.encode()).hexdigest())
     budget = int(megabytes * 1e6)
     train_files: list[str] = []
     eval_files: list[str] = []
@@ -154,7 +157,9 @@ def group_into_blocks(batch: dict[str, list[list[int]]], seq_len: int) -> dict[s
     return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
 
 
-def build_datasets(args: DataArguments, training_args: TrainingArguments) -> tuple[datasets.Dataset, datasets.Dataset]:
+def build_datasets(
+    args: DataArguments, training_args: TrainingArguments
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     if args.train_files:
         data_files = {"train": args.train_files}
         if args.eval_files:
@@ -186,7 +191,9 @@ def build_datasets(args: DataArguments, training_args: TrainingArguments) -> tup
 
 def build_model(args: ModelArguments, seq_len: int) -> LlamaForCausalLM:
     if seq_len > args.max_position_embeddings:
-        raise ValueError(f"--seq_len {seq_len} exceeds --max_position_embeddings {args.max_position_embeddings}")
+        raise ValueError(
+            f"--seq_len {seq_len} exceeds --max_position_embeddings {args.max_position_embeddings}"
+        )
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=args.hidden_size,
