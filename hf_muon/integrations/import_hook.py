@@ -5,6 +5,10 @@ user started (``accelerate launch`` and many CLIs re-launch Python). So the runn
 ``HF_MUON_REGISTER=1``; the ``hf_muon_autoregister.pth`` file installed with the package reads it
 at every interpreter start and calls :func:`register_when_transformers_loads`, which hooks the
 import of ``transformers.training_args`` / ``transformers.trainer`` without importing them itself.
+
+The same hook registers ``"optimizer": {"type": "HfMuon"}`` when ``deepspeed`` is imported, makes
+Accelerate refuse to swap hf_muon for DeepSpeedCPUAdam when ``accelerate.accelerator`` is, and sets
+up Trainer + DeepSpeed on machines without a GPU (``integrations/accelerate_cpu.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ ENV_VAR = "HF_MUON_REGISTER"
 
 
 def _add_optimizer_name(module: ModuleType) -> None:
+    from .accelerate_cpu import patch_training_args
     from .transformers import add_optimizer_name
 
     add_optimizer_name(module)
+    patch_training_args(module)
 
 
 def _patch_trainer(module: ModuleType) -> None:
@@ -31,14 +37,29 @@ def _patch_trainer(module: ModuleType) -> None:
     patch_trainer(module)
 
 
+def _register_with_deepspeed(module: ModuleType) -> None:
+    from .deepspeed_config import register_with_deepspeed
+
+    register_with_deepspeed(module)
+
+
+def _patch_accelerate(module: ModuleType) -> None:
+    from .deepspeed_config import patch_accelerate
+
+    patch_accelerate(module)
+
+
 # Module -> what to do to it once it has run. The enum lives in training_args, the optimizer lookup
 # in trainer; hooking each separately avoids importing trainer from inside training_args' import.
 _ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {
     "transformers.training_args": _add_optimizer_name,
     "transformers.trainer": _patch_trainer,
+    "deepspeed": _register_with_deepspeed,
+    "accelerate.accelerator": _patch_accelerate,
 }
 
-_DEFINES = {"transformers.training_args": "OptimizerNames", "transformers.trainer": "Trainer"}
+_DEFINES = {"transformers.training_args": "OptimizerNames", "transformers.trainer": "Trainer",
+            "deepspeed": "initialize", "accelerate.accelerator": "Accelerator"}
 
 
 class _CallbackLoader(importlib.abc.Loader):
@@ -80,7 +101,8 @@ _FINDER = _PostImportFinder()
 
 
 def register_when_transformers_loads() -> None:
-    """Register ``muon`` with transformers now for what is loaded, and on import for the rest."""
+    """Register ``muon`` with transformers (and ``HfMuon`` with DeepSpeed) now for what is loaded, and on
+    import for the rest."""
     pending = False
     for name, callback in _ON_IMPORT.items():
         module = sys.modules.get(name)

@@ -102,8 +102,12 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
 
 
 def patch_trainer(trainer_module: ModuleType) -> None:
-    """Make ``Trainer.get_optimizer_cls_and_kwargs`` answer for ``muon`` (idempotent)."""
+    """Make ``Trainer.get_optimizer_cls_and_kwargs`` answer for ``muon`` (idempotent), and check DeepSpeed
+    configs once the Trainer's Accelerator exists (``deepspeed_config.check_trainer``)."""
+    from .deepspeed_config import patch_trainer_checks
+
     trainer_cls = trainer_module.Trainer
+    patch_trainer_checks(trainer_cls)
     original = trainer_cls.get_optimizer_cls_and_kwargs
     if getattr(original, "_hf_muon", False):
         return

@@ -1,10 +1,19 @@
-"""A plain Trainer script that never imports hf_muon: tiny Llama on this file's own bytes."""
+"""A plain Trainer script that never imports hf_muon: tiny Llama on this file's own bytes.
+
+Only ``TrainingArguments`` flags are needed. A few script flags serve the launcher tests:
+``--eval_before false`` (DeepSpeed ZeRO-1/2 cannot evaluate before training), ``--dump_params PATH``
+(each rank writes its full fp32 parameters to ``PATH.rank<R>.pt`` after training), ``--from_config``
+(build the model with ``AutoModelForCausalLM.from_config``: under ZeRO-3 that is ``zero.Init``, which
+partitions parameters as they are created). ``--resume_from_checkpoint`` is passed to ``train()``.
+"""
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import (AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer,
+                          TrainingArguments)
 
 
 class Bytes(Dataset):
@@ -19,20 +28,56 @@ class Bytes(Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
+@dataclass
+class ScriptArgs:
+    eval_before: bool = True
+    dump_params: str | None = None
+    from_config: bool = False
+
+
+def full_parameters(model: torch.nn.Module) -> dict:
+    """Every parameter whole, in fp32, on CPU: gathered from ZeRO-3 partitions or FSDP2 shards."""
+    params = dict(model.named_parameters())
+    if any(hasattr(p, "ds_id") for p in params.values()):  # ZeRO-3
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().float().cpu().clone() for n, p in params.items()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+            for n, p in params.items()}
+
+
+def innermost_optimizer(optimizer):
+    """Accelerate and DeepSpeed wrap the optimizer (sometimes twice): the one that does the math."""
+    while getattr(optimizer, "optimizer", None) is not None and optimizer.optimizer is not optimizer:
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def main() -> None:
-    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    args, script = HfArgumentParser((TrainingArguments, ScriptArgs)).parse_args_into_dataclasses()
     torch.manual_seed(args.seed)
     config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config) if script.from_config else LlamaForCausalLM(config)
     data = Bytes(open(__file__, "rb").read() * 4)
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
-    before = trainer.evaluate()["eval_loss"]
-    trainer.train()
+    print(f"RANK={args.process_index} NUM_PROCESSES={trainer.accelerator.num_processes} "
+          f"WORLD_SIZE={args.world_size} DISTRIBUTED_TYPE={trainer.accelerator.distributed_type}")
+    before = trainer.evaluate()["eval_loss"] if script.eval_before else float("nan")
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     after = trainer.evaluate()["eval_loss"]
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # Accelerate wraps it
+    optimizer = innermost_optimizer(trainer.optimizer)
     print(f"OPTIMIZER={type(optimizer).__module__}.{type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        if "algorithm" in group and "param_names" in group:
+            print(f"GROUP algorithm={group['algorithm']} names={','.join(group['param_names'])}")
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if losses:
+        print(f"TRAIN_LOSS_FIRST={losses[0]:.4f} TRAIN_LOSS_LAST={losses[-1]:.4f}")
     print(f"EVAL_LOSS_BEFORE={before:.4f} EVAL_LOSS_AFTER={after:.4f}")
+    if script.dump_params:
+        torch.save(full_parameters(trainer.model), f"{script.dump_params}.rank{args.process_index}.pt")
     sys.stdout.flush()
 
 
