@@ -59,7 +59,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=250, help="Optimizer steps per run.")
-    parser.add_argument("--adamw_lr", type=float, default=1e-3, help="Peak learning rate of the AdamW run.")
+    parser.add_argument("--adamw_lr", type=float, default=5e-4, help="Peak learning rate of the AdamW run.")
     parser.add_argument("--muon_lr", type=float, default=1e-2, help="Peak learning rate of the Muon run.")
     parser.add_argument(
         "--muon_optim",

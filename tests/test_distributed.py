@@ -24,11 +24,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script, args, nproc=2, timeout=300):
-    """Run ``script`` on ``nproc`` local ranks; on a hang, stop torchrun and its workers and fail."""
+def torchrun(script, args, nproc=2, timeout=300, env=None):
+    """Run ``script`` on ``nproc`` local ranks; on a hang, stop torchrun and its workers and fail.
+
+    A free port can be taken by another process between our probe and torchrun's bind: that one
+    failure is retried once with a new port."""
+    for attempt in (1, 2):
+        returncode, out = _torchrun_once(script, args, nproc, timeout, env)
+        if returncode == 0 or "address already in use" not in out.lower():
+            break
+    assert returncode == 0, f"{script} {args} failed or hung ({timeout}s):\n{out[-4000:]}"
+    return out
+
+
+def _torchrun_once(script, args, nproc, timeout, env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a stuck worker cannot block us on EOF
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -42,9 +54,7 @@ def torchrun(script, args, nproc=2, timeout=300):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.seek(0)
-        out = log.read()
-    assert proc.returncode == 0, f"{script} {args} failed or hung ({timeout}s):\n{out[-4000:]}"
-    return out
+        return proc.returncode, log.read()
 
 
 def run_same_answer(tmp_path, backend, *extra, nproc=2):

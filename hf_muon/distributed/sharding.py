@@ -1,8 +1,9 @@
 """Recognise how the tensors ``step()`` is given are distributed, and build their exchange.
 
-Three cases, told apart from the tensors themselves: FSDP2 ``DTensor`` parameters sharded on
-dim 0; plain tensors while ``torch.distributed`` runs with several ranks (DDP: every rank holds
-the same all-reduced gradient); anything else is single-process and needs no exchange.
+Told apart from the tensors themselves: FSDP2 ``DTensor`` parameters sharded on dim 0; plain
+tensors while ``torch.distributed`` runs with several ranks (DDP: every rank holds the same
+all-reduced gradient); anything else is single-process and needs no exchange. DeepSpeed ZeRO's
+flat partitions are read by ``hf_muon.integrations.deepspeed_zero`` and use ``exchange_over``.
 """
 
 from __future__ import annotations
@@ -60,20 +61,17 @@ def layouts_of(params: list[Tensor], stacked: bool, world: int) -> list[TensorLa
     return [(row_sharded if is_dtensor(p) else replicated)(tuple(p.shape), stacked, world) for p in params]
 
 
-def make_exchange(
-    params: list[Tensor],
-    stacked: bool,
+def exchange_over(
+    layouts: list[TensorLayout],
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
     ns_steps: int,
     stats: ExchangeStats,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     comm_dtype: torch.dtype | None = None,
-) -> Callable | None:
-    """The exchange ``muon_update`` calls for ``params``, or ``None`` in a single process."""
-    where = process_group_of(params)
-    if where is None:
-        return None
-    group, rank, world = where
-    layouts = layouts_of(params, stacked, world)
+) -> Callable:
+    """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``."""
     owners = assign_owners(layouts, world, ns_steps)
 
     def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
@@ -85,6 +83,23 @@ def make_exchange(
         return [o.view(b.shape) for o, b in zip(out, blended)]
 
     return exchange
+
+
+def make_exchange(
+    params: list[Tensor],
+    stacked: bool,
+    ns_steps: int,
+    stats: ExchangeStats,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comm_dtype: torch.dtype | None = None,
+) -> Callable | None:
+    """The exchange for whole or FSDP2-sharded ``params``, or ``None`` in a single process."""
+    where = process_group_of(params)
+    if where is None:
+        return None
+    group, rank, world = where
+    return exchange_over(layouts_of(params, stacked, world), group, rank, world, ns_steps, stats, bucket_bytes,
+                         comm_dtype)
 
 
 def all_ranks_agree(flag: bool, params: list[Tensor]) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 from torch import Tensor, nn
 
-from .param_split import ADAMW, MUON, split_parameters
+from .param_split import ADAMW, MUON, shape_of, split_parameters
 
 ALGORITHMS = (MUON, ADAMW)
 
@@ -88,8 +88,9 @@ def build_param_groups(
             if table is not None and id(p) in table:
                 algorithm, stacked = table[id(p)]
             else:
-                algorithm, stacked = (MUON if p.ndim >= 2 else ADAMW), False
-                guessed = guessed or p.ndim >= 2
+                is_matrix = len(shape_of(p)) >= 2
+                algorithm, stacked = (MUON if is_matrix else ADAMW), False
+                guessed = guessed or is_matrix
             part = parts.setdefault(
                 (algorithm, stacked),
                 {**group, "params": [], "algorithm": algorithm, "stacked": stacked, **({"param_names": []} if names else {})},
@@ -120,8 +121,9 @@ def validate_group(group: dict) -> None:
             # DeepSpeed runs its own Newton–Schulz on tensors flagged so; ours must stay in charge.
             warnings.warn("removing the 'use_muon' attribute DeepSpeed's Muon set on a parameter", stacklevel=4)
             del p.use_muon
-        if algorithm == MUON and p.ndim < 2:
-            name = group["param_names"][i] if "param_names" in group else f"#{i} of shape {tuple(p.shape)}"
-            raise ValueError(f"Muon needs matrices (>= 2-D); parameter {name} is {p.ndim}-D: give it 'algorithm': 'adamw'")
-        if algorithm == MUON and group.get("stacked") and p.ndim < 3:
+        ndim = len(shape_of(p))
+        if algorithm == MUON and ndim < 2:
+            name = group["param_names"][i] if "param_names" in group else f"#{i} of shape {shape_of(p)}"
+            raise ValueError(f"Muon needs matrices (>= 2-D); parameter {name} is {ndim}-D: give it 'algorithm': 'adamw'")
+        if algorithm == MUON and group.get("stacked") and ndim < 3:
             raise ValueError("a group with 'stacked': True needs tensors of 3 or more dimensions (a stack of matrices)")

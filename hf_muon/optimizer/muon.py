@@ -17,7 +17,7 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
-from ..distributed.sharding import all_ranks_agree, local, make_exchange
+from ..distributed.sharding import all_ranks_agree, exchange_over, local, make_exchange
 from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
 from .groups import build_param_groups, validate_group
 from .param_split import MUON
@@ -217,6 +217,10 @@ class Muon(Optimizer):
                     group.setdefault("lr", adamw_lr)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        # Each group's own parameters, by the group's "matrices_index": DeepSpeed ZeRO later swaps a
+        # group's "params" for one flat partition, and these say which matrices it stands for.
+        self._group_tensors: list[list[Tensor]] = []
+        self._zero_partitions: dict[tuple[int, int, int], Any] = {}
         super().__init__(groups, defaults)
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
@@ -257,6 +261,8 @@ class Muon(Optimizer):
         group = self.param_groups[-1]
         validate_group(group)
         self._check_hyperparameters(group)
+        group["matrices_index"] = len(self._group_tensors)
+        self._group_tensors.append(list(group["params"]))
 
     def _grads_finite(self) -> bool:
         """Refuse unsupported gradients up front, then check all are finite with one host sync."""
@@ -292,12 +298,15 @@ class Muon(Optimizer):
 
     def _muon_group_step(self, group: dict) -> None:
         with_grad = [p for p in group["params"] if p.grad is not None]
+        if with_grad and with_grad[0].ndim == 1:
+            self._zero_partition_step(group, with_grad)
+            return
         for p in with_grad:
             if p.ndim < 2:
                 raise RuntimeError(
                     f"hf_muon.Muon's Muon group received a {p.ndim}-D tensor of {p.numel()} elements where it "
-                    "expects matrices: something (e.g. DeepSpeed ZeRO) flattened the parameters. Use the "
-                    "DeepSpeed binding of hf_muon, not a plain client optimizer."
+                    "expects matrices: something flattened the parameters that is neither DeepSpeed ZeRO "
+                    "(stages 1-3) nor FSDP2. Wrap the model with one of those, or with DDP."
                 )
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -306,13 +315,51 @@ class Muon(Optimizer):
         if self.distributed:
             exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
                                      self.bucket_bytes, self.comm_dtype)
+        self._apply_muon(
+            group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
+            [local(self.state[p]["momentum_buffer"]) for p in with_grad], [tuple(p.shape) for p in with_grad],
+            exchange,
+        )
+
+    def _zero_partition_step(self, group: dict, flats: list[Tensor]) -> None:
+        """DeepSpeed ZeRO handed over flat fp32 partitions: update each matrix's piece in place."""
+        from ..integrations.deepspeed_zero import bind_flat_partition, is_zero_partition
+
+        matrices = self._group_tensors[group["matrices_index"]]
+        for flat in flats:
+            if not is_zero_partition(flat, matrices):
+                raise RuntimeError(
+                    f"hf_muon.Muon's Muon group received a flat tensor of {flat.numel()} elements that no "
+                    "DeepSpeed ZeRO bookkeeping describes (a DeepSpeed optimizer wrapper hf_muon does not "
+                    "support, e.g. ZeRO stage 0 with fp16): use ZeRO stage 1, 2 or 3, or bf16/fp32 at stage 0"
+                )
+            key = (group["matrices_index"], flat.data_ptr(), flat.numel())
+            if key not in self._zero_partitions:  # every rank binds at the same step: it all-gathers
+                self._zero_partitions[key] = bind_flat_partition(flat, matrices, group["stacked"])
+            part = self._zero_partitions[key]
+            if part.world > 1 and not self.distributed:
+                raise ValueError("hf_muon.Muon(distributed=False) cannot run under DeepSpeed ZeRO with several "
+                                 "ranks: each rank holds only pieces of the matrices. Leave distributed=True.")
+            state = self.state[flat]  # state shaped like the tensor step() got, as DeepSpeed expects
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(flat)
+
+            def pieces(t: Tensor) -> list[Tensor]:
+                return [t.narrow(0, offset, length) for offset, length in part.spans]
+
+            exchange = exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
+                                     self.exchange_stats, self.bucket_bytes, self.comm_dtype)
+            self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]),
+                             [layout.shape for layout in part.layouts], exchange)
+
+    @staticmethod
+    def _apply_muon(group: dict, params, grads, buffers, shapes, exchange: Exchange | None) -> None:
         muon_update(
-            [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
-            [local(self.state[p]["momentum_buffer"]) for p in with_grad],
+            params, grads, buffers,
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"], stacked=group["stacked"],
-            shapes=[tuple(p.shape) for p in with_grad], exchange=exchange,
+            shapes=shapes, exchange=exchange,
         )
 
     def _adamw_group_step(self, group: dict) -> None:

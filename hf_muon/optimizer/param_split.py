@@ -9,13 +9,14 @@ patterns; ``force_muon`` / ``force_adamw`` regexes let a user override it.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 MUON, ADAMW = "muon", "adamw"
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -99,12 +100,19 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
 
 
+def shape_of(p: Tensor) -> tuple[int, ...]:
+    """A parameter's real shape, also under DeepSpeed's ``zero.Init`` (where ``p.shape`` is ``[0]``)."""
+    ds_shape = getattr(p, "ds_shape", None)
+    return tuple(ds_shape) if ds_shape is not None else tuple(p.shape)
+
+
 def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tuple[str, str, bool]:
     """(algorithm, reason, stacked) for a parameter that lives in the model body."""
     kind = type(module).__name__
-    if p.ndim < 2:
+    shape = shape_of(p)
+    if len(shape) < 2:
         what = "bias" if local_name == "bias" else ("norm weight" if "Norm" in kind else "vector or scalar")
-        return ADAMW, f"{what} ({kind}.{local_name}, {p.ndim}-D)", False
+        return ADAMW, f"{what} ({kind}.{local_name}, {len(shape)}-D)", False
     if isinstance(module, nn.Embedding):
         return ADAMW, f"embedding table ({kind})", False
     if local_name == "weight" and isinstance(module, nn.Linear):
@@ -114,10 +122,10 @@ def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tu
     if local_name == "weight" and isinstance(module, _CONV_TYPES):
         return MUON, f"hidden convolution ({kind}, viewed as out x in*kernel)", False
     num_experts = getattr(module, "num_experts", None)
-    if isinstance(num_experts, int) and p.shape[0] == num_experts:
-        if p.ndim == 3:
-            return MUON, f"stacked expert matrices ({num_experts} x {p.shape[1]} x {p.shape[2]})", True
-        if p.ndim == 2:
+    if isinstance(num_experts, int) and shape[0] == num_experts:
+        if len(shape) == 3:
+            return MUON, f"stacked expert matrices ({num_experts} x {shape[1]} x {shape[2]})", True
+        if len(shape) == 2:
             return MUON, f"MoE router matrix ({kind})", False
     return ADAMW, f"parameter of {kind} that is not a matrix layer's weight", False
 
@@ -165,9 +173,9 @@ def split_parameters(
             if matched_muon and matched_adamw:
                 raise ValueError(f"parameter {name!r} matches both force_muon and force_adamw; make the regexes disjoint")
             if matched_muon:
-                if p.ndim < 2:
+                if len(shape_of(p)) < 2:
                     raise ValueError(
-                        f"force_muon matched {name!r} of shape {tuple(p.shape)}; Muon needs a matrix (>= 2-D): "
+                        f"force_muon matched {name!r} of shape {shape_of(p)}; Muon needs a matrix (>= 2-D): "
                         "narrow the force_muon regex"
                     )
                 algorithm, reason = MUON, f"force_muon override (was: {reason})"
@@ -183,8 +191,8 @@ def split_parameters(
 def optimizer_state_bytes(split: ParameterSplit, dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Optimizer-state bytes: Muon keeps one buffer per element, AdamW two."""
     size = torch.empty(0, dtype=dtype).element_size()
-    muon = sum(p.numel() for _, p in split.muon)
-    adamw = sum(p.numel() for _, p in split.adamw)
+    muon = sum(math.prod(shape_of(p)) for _, p in split.muon)
+    adamw = sum(math.prod(shape_of(p)) for _, p in split.adamw)
     return {
         "hf_muon": size * (muon + 2 * adamw),
         "all_adamw": size * 2 * (muon + adamw),

@@ -1,0 +1,117 @@
+"""Run under ``DS_ACCELERATOR=cpu torchrun --nproc_per_node W``: hf_muon.Muon inside DeepSpeed ZeRO
+must give the single-process answer.
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/dist/zero_same_answer.py \
+        --stages 0,1,2,3,3init --accumulation 1 --out result.json
+
+Runs every requested ZeRO stage in turn in the same ranks (DeepSpeed's start-up is the slow part)
+and writes, per stage, the figures the pytest side asserts on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+
+import torch
+import torch.distributed as dist
+
+import hf_muon.optimizer.muon as muon_module
+from hf_muon import Muon
+from same_answer import Block, loss_fn, train
+
+BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
+
+
+def zero_config(stage: int, world: int, accumulation: int, dtype: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH // (world * accumulation),
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                              "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
+        "bf16": {"enabled": dtype.startswith("bf16")},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
+        # fp32 accumulation of bf16 gradients makes DeepSpeed use its BF16_Optimizer at stages 0-1
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if dtype == "bf16_fp32_accum" else {}),
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: int, world: int) -> dict:
+    """``stage`` is 0-3, or "3init": ZeRO-3 with the model built under ``zero.Init`` (shapes hidden)."""
+    import deepspeed
+
+    config = zero_config(int(stage[0]), world, accumulation, dtype)
+    if stage == "3init":
+        torch.manual_seed(0)  # the same initial values as ``base``
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = Block()
+        assert all(p.numel() == 0 for p in model.parameters()), "zero.Init did not partition the model"
+    else:
+        model = copy.deepcopy(base)
+    opt = Muon(model, lr=2e-2, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    calls = {"n": 0}
+    original = muon_module.orthogonalize
+
+    def counting(G, *a, **k):
+        calls["n"] += G.shape[0] if G.ndim == 3 else 1
+        return original(G, *a, **k)
+
+    muon_module.orthogonalize = counting
+    try:
+        for batch in batches:
+            for micro in batch.chunk(world)[rank].chunk(accumulation):
+                engine.backward(loss_fn(engine, micro))  # DeepSpeed divides by the accumulation steps
+                engine.step()
+    finally:
+        muon_module.orthogonalize = original
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage.startswith("3")):
+        trained = [p.detach().float().clone() for p in params]
+    muon_numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in opt._group_tensors[0])
+    return {"trained": trained, "ns_calls": calls["n"], "bytes_sent": opt.exchange_stats.bytes_sent,
+            "bytes_received": opt.exchange_stats.bytes_received, "muon_numel": muon_numel,
+            "muon_tensors": len(opt._group_tensors[0]), "inner": type(engine.optimizer).__name__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "bf16_fp32_accum", "fp16"], default="fp32")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = Block()
+    batches = [torch.randint(0, 64, (BATCH, 16)) for _ in range(args.steps)]
+    reference = copy.deepcopy(base)
+    train(reference, Muon(reference, lr=2e-2, weight_decay=0.1, distributed=False), batches, 1, 0, 1)
+
+    results = {}
+    for stage in args.stages.split(","):
+        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world)
+        worst = max(((t - q).abs().max() / q.abs().max()).item() for t, q in zip(r.pop("trained"), reference.parameters()))
+        figures = torch.tensor([worst, r["ns_calls"], r["bytes_sent"], r["bytes_received"]], dtype=torch.float64)
+        gathered = [torch.zeros_like(figures) for _ in range(world)]
+        dist.all_gather(gathered, figures)
+        results[stage] = {
+            "world": world, "steps": args.steps, "muon_tensors": r["muon_tensors"], "muon_numel": r["muon_numel"],
+            "inner_optimizer": r["inner"], "max_rel_diff": [g[0].item() for g in gathered],
+            "ns_calls": [g[1].item() for g in gathered], "bytes_sent": [g[2].item() for g in gathered],
+            "bytes_received": [g[3].item() for g in gathered],
+        }
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
