@@ -1,20 +1,31 @@
-"""Trainer + DeepSpeed on machines without a GPU: give Accelerate the world DeepSpeed has.
+"""Trainer launched on several ranks of a machine without a GPU: give Accelerate the real world.
 
-Without an accelerator, Accelerate's ``PartialState`` finds no distributed backend for DeepSpeed and
-reports one process on every rank while DeepSpeed's own world has W ranks: every rank then sees
-the whole dataset, believes it is the main process and writes checkpoints (``--ddp_backend gloo`` is
-ignored on this path). That is silently wrong, so wherever hf_muon's registration is active (the
-``hf_muon.run`` runner, ``HF_MUON_REGISTER=1``, or ``import hf_muon`` before ``TrainingArguments``
-exist), :func:`patch_training_args` makes ``TrainingArguments`` do, in exactly that situation:
+Without an accelerator, Accelerate (1.16, checked) and Trainer get a multi-rank launch silently wrong:
 
-1. ``PartialState(backend="gloo")`` with ``ACCELERATE_USE_DEEPSPEED=true`` (DeepSpeed's
-   ``init_distributed`` over gloo, so Accelerate's state has the real rank and world size);
-2. ``accelerator_config.use_configured_state = True`` so the Trainer keeps that state;
-3. ``torch.distributed.destroy_process_group()`` at exit (gloo aborts at shutdown otherwise).
+* DeepSpeed (``--deepspeed`` or ``accelerate launch --use_deepspeed``): ``PartialState`` finds no
+  backend and reports one process on every rank, while DeepSpeed's own world has W ranks: every
+  rank sees the whole dataset, believes it is the main process and writes checkpoints
+  (``--ddp_backend gloo`` is ignored on this path).
+* DDP (``torchrun`` / ``accelerate launch --multi_gpu``) without ``--use_cpu``: the same, one process
+  per rank, and gradients are never all-reduced.
+* FSDP (``accelerate launch --use_fsdp`` or ``--fsdp``): Accelerate turns FSDP on only for accelerator
+  worlds (``MULTI_GPU``, ``MULTI_XPU``...), so on CPU the model is not sharded at all.
 
-"That situation" is: DeepSpeed requested (``--deepspeed`` or ``accelerate launch --use_deepspeed``),
-launched with several ranks (``LOCAL_RANK`` set), Accelerate sees no accelerator, and no
-``PartialState`` exists yet. With a GPU nothing changes. Set ``HF_MUON_CPU_DEEPSPEED=0`` to turn it off.
+So wherever hf_muon's registration is active (the ``hf_muon.run`` runner, ``HF_MUON_REGISTER=1``, or
+``import hf_muon`` before ``TrainingArguments`` exist), :func:`patch_training_args` makes
+``TrainingArguments`` first create the ``PartialState`` those launches need, over gloo:
+
+* DeepSpeed: ``PartialState(backend="gloo")`` while ``ACCELERATE_USE_DEEPSPEED=true``, so DeepSpeed's
+  ``init_distributed`` runs and the state has DeepSpeed's rank and world size;
+* DDP: ``PartialState(cpu=True, backend="gloo")`` (what ``--use_cpu`` does; skipped when it is set);
+* FSDP: the same, then the state is labelled ``MULTI_GPU`` so that ``AcceleratorState`` enables FSDP;
+  the device stays the CPU and FSDP2's ``fully_shard`` runs over gloo;
+
+then sets ``accelerator_config.use_configured_state = True`` so the Trainer keeps that state, and
+destroys the process group at exit (gloo aborts at shutdown otherwise). It acts only when the run
+was launched with several ranks (``LOCAL_RANK`` set, ``WORLD_SIZE`` > 1), Accelerate sees no
+accelerator and no ``PartialState`` exists yet; with a GPU nothing changes. It says what it did
+on rank 0. ``HF_MUON_CPU_DISTRIBUTED=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
-ENV_SWITCH = "HF_MUON_CPU_DEEPSPEED"
+ENV_SWITCH = "HF_MUON_CPU_DISTRIBUTED"
+DEEPSPEED, FSDP, DDP = "deepspeed", "fsdp", "ddp"
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -35,16 +47,11 @@ def _flag(name: str, default: str = "false") -> bool:
     return os.environ.get(name, default).strip().lower() in _TRUE
 
 
-def deepspeed_requested(args: Any) -> bool:
-    """Whether these ``TrainingArguments`` (or the launcher's environment) ask for DeepSpeed."""
-    return bool(getattr(args, "deepspeed", None)) or _flag("ACCELERATE_USE_DEEPSPEED")
-
-
 def accelerator_available() -> bool:
-    """Whether Accelerate would find a device with a distributed backend (the trap needs there be none)."""
+    """Whether Accelerate finds a device with a distributed backend (the fixes apply when it does not)."""
     try:
         from accelerate.utils.imports import get_distributed_backend, get_torch_accelerator_backend
-    except ImportError:  # older Accelerate: CUDA was the only backend it set up for DeepSpeed
+    except ImportError:  # older Accelerate: CUDA was the accelerator it set up distributed runs for
         import torch
 
         return torch.cuda.is_available()
@@ -52,15 +59,32 @@ def accelerator_available() -> bool:
     return device_type is not None and get_distributed_backend(device_type) is not None
 
 
-def needs_cpu_deepspeed_state(args: Any) -> bool:
-    """True when Trainer + DeepSpeed would run each rank as if it were alone (see the module doc)."""
+def requested_kind(args: Any) -> str | None:
+    """``"deepspeed"``, ``"fsdp"`` or ``"ddp"``: the engine these ``TrainingArguments`` and the launcher's
+    environment ask for; ``None`` for DDP with ``--use_cpu`` (Trainer sets that up right itself)."""
+    if getattr(args, "deepspeed", None) or _flag("ACCELERATE_USE_DEEPSPEED"):
+        return DEEPSPEED
+    if getattr(args, "fsdp", None) or _flag("ACCELERATE_USE_FSDP"):
+        return FSDP
+    if getattr(args, "use_cpu", False) or _flag("ACCELERATE_USE_CPU"):
+        return None
+    return DDP
+
+
+def needs_cpu_state(args: Any) -> str | None:
+    """The kind of launch (see :func:`requested_kind`) whose state must be set up here, or ``None``."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() not in _TRUE:
-        return False
-    if not deepspeed_requested(args) or int(os.environ.get("LOCAL_RANK", "-1")) == -1:
-        return False
+        return None
+    if int(os.environ.get("LOCAL_RANK", "-1")) == -1 or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    kind = requested_kind(args)
+    if kind is None:
+        return None
     from accelerate.state import PartialState
 
-    return PartialState._shared_state == {} and not accelerator_available()
+    if PartialState._shared_state != {} or accelerator_available():
+        return None
+    return kind
 
 
 def _destroy_process_group() -> None:
@@ -70,29 +94,40 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def init_cpu_deepspeed_state(timeout_s: float | None = None) -> Any:
-    """Create Accelerate's ``PartialState`` for DeepSpeed over gloo and return it.
+def init_cpu_state(kind: str, timeout_s: float | None = None) -> Any:
+    """Create Accelerate's ``PartialState`` for a ``kind`` launch over gloo and return it.
 
-    ``ACCELERATE_USE_DEEPSPEED`` is set only while the state is created (Transformers does the same
-    for ``--deepspeed``), then restored, so a later ``Accelerator`` is configured by its own
-    arguments. The process group is destroyed at interpreter exit.
+    For DeepSpeed, ``ACCELERATE_USE_DEEPSPEED`` is set only while the state is created (Transformers
+    does the same for ``--deepspeed``) and then restored. The process group is destroyed at exit.
     """
     from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
 
-    previous = os.environ.get("ACCELERATE_USE_DEEPSPEED")
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    try:
-        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        state = PartialState(backend="gloo", **kwargs)
-    finally:
-        if previous is None:
-            del os.environ["ACCELERATE_USE_DEEPSPEED"]
-        else:
-            os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
+    if kind not in (DEEPSPEED, FSDP, DDP):
+        raise ValueError(f"kind must be one of {(DEEPSPEED, FSDP, DDP)}, got {kind!r}")
+    kwargs: dict[str, Any] = {"backend": "gloo"}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    if kind == DEEPSPEED:
+        previous = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        try:
+            state = PartialState(**kwargs)
+        finally:
+            if previous is None:
+                del os.environ["ACCELERATE_USE_DEEPSPEED"]
+            else:
+                os.environ["ACCELERATE_USE_DEEPSPEED"] = previous
+    else:
+        state = PartialState(cpu=True, **kwargs)
+        if kind == FSDP:
+            # AcceleratorState enables FSDP only for accelerator worlds; the label is all it reads.
+            state.distributed_type = DistributedType.MULTI_GPU
     atexit.register(_destroy_process_group)
     if state.process_index == 0:
-        print(f"hf_muon: DeepSpeed without a GPU: Accelerate uses a gloo process group of {state.num_processes} "
-              f"ranks (on its own it would see 1 per rank). {ENV_SWITCH}=0 turns this off.", file=sys.stderr)
+        alone = "would not shard the model" if kind == FSDP else "would see 1 process per rank"
+        print(f"hf_muon: no GPU: Accelerate runs {kind} over a gloo process group of {state.num_processes} ranks "
+              f"(on its own it {alone}). {ENV_SWITCH}=0 turns this off.", file=sys.stderr)
     return state
 
 
@@ -113,16 +148,17 @@ def _use_configured_state(accelerator_config: Any) -> Any:
     return accelerator_config
 
 
-def prepare_training_args(args: Any) -> bool:
-    """Before ``TrainingArguments.__post_init__``: set up the gloo DeepSpeed state if needed.
+def prepare_training_args(args: Any) -> str | None:
+    """Before ``TrainingArguments.__post_init__``: set up the gloo state a CPU launch needs.
 
-    Returns whether it did.
+    Returns the kind of launch it set up (``"deepspeed"``, ``"fsdp"``, ``"ddp"``) or ``None``.
     """
-    if not needs_cpu_deepspeed_state(args):
-        return False
-    init_cpu_deepspeed_state(getattr(args, "ddp_timeout", None))
+    kind = needs_cpu_state(args)
+    if kind is None:
+        return None
+    init_cpu_state(kind, getattr(args, "ddp_timeout", None))
     args.accelerator_config = _use_configured_state(args.accelerator_config)
-    return True
+    return kind
 
 
 def patch_training_args(training_args: ModuleType) -> None:

@@ -331,7 +331,7 @@ class Muon(Optimizer):
                 raise RuntimeError(
                     f"hf_muon.Muon's Muon group received a flat tensor of {flat.numel()} elements that no "
                     "DeepSpeed ZeRO bookkeeping describes (a DeepSpeed optimizer wrapper hf_muon does not "
-                    "support, e.g. ZeRO stage 0 with fp16): use ZeRO stage 1, 2 or 3, or bf16/fp32 at stage 0"
+                    "support, e.g. ZenFlow): use plain ZeRO stage 0, 1, 2 or 3"
                 )
             key = (group["matrices_index"], flat.data_ptr(), flat.numel())
             if key not in self._zero_partitions:  # every rank binds at the same step: it all-gathers
