@@ -9,6 +9,7 @@ comparison needs no files. Rank 0 writes the figures the pytest side asserts on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -21,7 +22,6 @@ from torch import nn
 from hf_muon import Muon
 from hf_muon.distributed.plan import assign_owners, ns_load
 from hf_muon.distributed.sharding import layouts_of
-from hf_muon.kernels import newton_schulz
 
 
 class Block(nn.Module):
@@ -44,6 +44,25 @@ class Block(nn.Module):
         h = h + self.down(torch.relu(self.up(h)))
         h = h + self.conv(h.transpose(1, 2)).transpose(1, 2)
         return self.head(self.norm(h))
+
+
+@contextlib.contextmanager
+def counting_newton_schulz():
+    """Count the matrices Newton–Schulz orthogonalizes in this process (``calls["n"]``)."""
+    import hf_muon.optimizer.muon as muon_module
+
+    calls = {"n": 0}
+    original = muon_module.orthogonalize
+
+    def counting(G, *a, **k):
+        calls["n"] += G.shape[0] if G.ndim == 3 else 1
+        return original(G, *a, **k)
+
+    muon_module.orthogonalize = counting
+    try:
+        yield calls
+    finally:
+        muon_module.orthogonalize = original
 
 
 def loss_fn(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -77,16 +96,6 @@ def main() -> None:
     reference = copy.deepcopy(base)
     train(reference, Muon(reference, distributed=False, **opt_kwargs), batches, 1, 0, 1)
 
-    calls = {"n": 0}
-    original = newton_schulz.orthogonalize
-
-    def counting(G, *a, **k):
-        calls["n"] += G.shape[0] if G.ndim == 3 else 1
-        return original(G, *a, **k)
-
-    import hf_muon.optimizer.muon as muon_module
-
-    muon_module.orthogonalize = counting
     model = copy.deepcopy(base)
     comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
     if args.backend == "ddp":
@@ -101,8 +110,8 @@ def main() -> None:
             fully_shard(module, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
         opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
-    train(wrapped, opt, batches, args.accumulation, rank, world)
-    muon_module.orthogonalize = original
+    with counting_newton_schulz() as calls:
+        train(wrapped, opt, batches, args.accumulation, rank, world)
 
     worst = 0.0
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):

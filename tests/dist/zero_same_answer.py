@@ -18,9 +18,8 @@ import json
 import torch
 import torch.distributed as dist
 
-import hf_muon.optimizer.muon as muon_module
 from hf_muon import Muon
-from same_answer import Block, loss_fn, train
+from same_answer import Block, counting_newton_schulz, loss_fn, train
 
 BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
 
@@ -54,21 +53,11 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
         model = copy.deepcopy(base)
     opt = Muon(model, lr=2e-2, weight_decay=0.1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    calls = {"n": 0}
-    original = muon_module.orthogonalize
-
-    def counting(G, *a, **k):
-        calls["n"] += G.shape[0] if G.ndim == 3 else 1
-        return original(G, *a, **k)
-
-    muon_module.orthogonalize = counting
-    try:
+    with counting_newton_schulz() as calls:
         for batch in batches:
             for micro in batch.chunk(world)[rank].chunk(accumulation):
                 engine.backward(loss_fn(engine, micro))  # DeepSpeed divides by the accumulation steps
                 engine.step()
-    finally:
-        muon_module.orthogonalize = original
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage.startswith("3")):
         trained = [p.detach().float().clone() for p in params]
