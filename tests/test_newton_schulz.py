@@ -54,3 +54,26 @@ def test_bf16_default_and_errors():
     with pytest.raises(ValueError, match="ns_coefficients"):
         coefficient_schedule("cubic", 5)
     assert len(coefficient_schedule("polar_express", 10)) == 10
+
+
+@pytest.mark.parametrize("coefficients, steps", [("quintic", 5), ("polar_express", 8)])
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (3, 32, 128), (2, 2, 20, 70), (24, 24)])
+def test_gram_iterations_equal_standard_ones(shape, coefficients, steps):
+    torch.manual_seed(0)
+    g = torch.randn(shape, dtype=torch.float64)
+    standard = orthogonalize(g, steps, coefficients, torch.float64, method="standard")
+    gram = orthogonalize(g, steps, coefficients, torch.float64, method="gram")
+    assert gram.shape == g.shape
+    assert ((gram - standard).norm() / standard.norm()) < 1e-10
+
+
+def test_auto_method_picks_gram_for_wide_fp32_only():
+    from hf_muon.kernels.newton_schulz import ns_flops, resolve_method
+
+    assert resolve_method(512, 1536, 5, torch.float32) == "gram"
+    assert resolve_method(1536, 512, 5, torch.float32) == "gram"
+    assert resolve_method(512, 512, 5, torch.float32) == "standard"
+    assert resolve_method(512, 1536, 5, torch.bfloat16) == "standard"
+    assert ns_flops(512, 1536, 5, "gram") < 0.7 * ns_flops(512, 1536, 5, "standard")
+    with pytest.raises(ValueError, match="method"):
+        orthogonalize(torch.randn(4, 8), method="cubic")
