@@ -6,6 +6,10 @@
 
 It sets ``HF_MUON_REGISTER=1`` so registration reaches every child Python the script starts
 (launchers and CLIs that re-launch themselves), then runs the script as ``__main__``.
+
+On a machine without a GPU, a Trainer launched on several ranks (DDP, FSDP, DeepSpeed) gets the
+gloo process group Accelerate would not set up (see ``hf_muon/integrations/accelerate_cpu.py``);
+the runner destroys it when the script returns.
 """
 
 from __future__ import annotations
@@ -19,26 +23,47 @@ from .integrations.import_hook import ENV_VAR, register_when_transformers_loads
 USAGE = "usage: python -m hf_muon.run SCRIPT.py [ARGS...]  |  python -m hf_muon.run -m MODULE [ARGS...]"
 
 
+def _move_local_rank(argv: list[str]) -> list[str]:
+    """``deepspeed --module hf_muon.run`` puts ``--local_rank=N`` before the script: hand it to the script.
+
+    The ``deepspeed`` launcher inserts it right after the module name; without the runner the script
+    itself would have received it, so it goes after the script (or module) name.
+    """
+    if not argv or not argv[0].startswith("--local_rank"):
+        return argv
+    width = 1 if "=" in argv[0] else 2
+    flag, rest = argv[:width], argv[width:]
+    head = 2 if rest[:1] == ["-m"] else 1
+    return [*rest[:head], *flag, *rest[head:]] if len(rest) >= head else argv
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run ``SCRIPT [ARGS]`` (or ``-m MODULE [ARGS]``) with Muon registered."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _move_local_rank(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         raise SystemExit(0 if argv else 2)
     os.environ[ENV_VAR] = "1"
     register_when_transformers_loads()
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            raise SystemExit(USAGE)
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        script = argv[0]
-        if not os.path.isfile(script):
-            raise SystemExit(f"hf_muon.run: no such script: {script}\n{USAGE}")
-        sys.argv = [script, *argv[1:]]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
-        runpy.run_path(script, run_name="__main__")
+    if argv[0] == "-m" and len(argv) < 2:
+        raise SystemExit(USAGE)
+    if argv[0] != "-m" and not os.path.isfile(argv[0]):
+        raise SystemExit(f"hf_muon.run: no such script: {argv[0]}\n{USAGE}")
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = [script, *argv[1:]]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        # A gloo process group set up for a CPU launch (integrations/accelerate_cpu.py) must be
+        # destroyed before the interpreter shuts down, or gloo aborts the process.
+        accelerate_cpu = sys.modules.get("hf_muon.integrations.accelerate_cpu")
+        if accelerate_cpu is not None:
+            accelerate_cpu.shutdown()
 
 
 if __name__ == "__main__":

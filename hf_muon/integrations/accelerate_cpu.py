@@ -87,7 +87,16 @@ def needs_cpu_state(args: Any) -> str | None:
     return kind
 
 
-def _destroy_process_group() -> None:
+_STATE_KIND: list[str] = []  # the kind of state init_cpu_state set up in this process, if any
+
+
+def shutdown() -> None:
+    """Destroy the process group :func:`init_cpu_state` created (no-op otherwise; safe to call twice).
+
+    ``hf_muon.run`` calls it when the script returns; it is also registered with ``atexit``.
+    """
+    if not _STATE_KIND:
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -123,7 +132,8 @@ def init_cpu_state(kind: str, timeout_s: float | None = None) -> Any:
         if kind == FSDP:
             # AcceleratorState enables FSDP only for accelerator worlds; the label is all it reads.
             state.distributed_type = DistributedType.MULTI_GPU
-    atexit.register(_destroy_process_group)
+    _STATE_KIND.append(kind)
+    atexit.register(shutdown)
     if state.process_index == 0:
         alone = "would not shard the model" if kind == FSDP else "would see 1 process per rank"
         print(f"hf_muon: no GPU: Accelerate runs {kind} over a gloo process group of {state.num_processes} ranks "

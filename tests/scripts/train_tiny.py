@@ -69,7 +69,7 @@ def main() -> None:
     after = trainer.evaluate()["eval_loss"]
     optimizer = innermost_optimizer(trainer.optimizer)
     param = next(trainer.model.parameters())
-    print(f"WRAPPER={type(trainer.model_wrapped).__name__} PARAM={type(param.data).__name__} "
+    print(f"WRAPPER={type(trainer.model_wrapped).__name__} PARAM={type(param.data).__name__} DTYPE={param.dtype} "
           f"FSDP={trainer.is_fsdp_enabled} DEEPSPEED={trainer.is_deepspeed_enabled}")
     print(f"OPTIMIZER={type(optimizer).__module__}.{type(optimizer).__name__}")
     for group in optimizer.param_groups:
