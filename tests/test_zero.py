@@ -61,3 +61,26 @@ def test_zero_bf16(tmp_path):
         # bf16 weights against the fp32 reference after 10 steps; one rank (W=1) measures the same
         # (0.16 at stage 0, 0.063 under ZeRO), so these bounds are bf16 rounding, not the exchange
         assert max(r["max_rel_diff"]) <= (0.25 if stage == "0" else 0.1), (stage, r["max_rel_diff"])
+
+
+def test_fragments_that_do_not_tile_a_matrix_are_refused():
+    from hf_muon.distributed.layout import TensorLayout
+    from hf_muon.integrations.deepspeed_zero import _checked
+
+    assert _checked(TensorLayout((4, 4), False, ((0, 9), (9, 16)))).numel == 16
+    with pytest.raises(RuntimeError, match="do not tile"):
+        _checked(TensorLayout((4, 4), False, ((0, 8), (9, 16))))
+
+
+def test_flat_tensor_without_deepspeed_bookkeeping_is_refused():
+    import torch
+
+    from hf_muon import Muon
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = Muon([{"params": [w], "algorithm": "muon"}], lr=0.1)
+    flat = torch.nn.Parameter(torch.randn(16))  # what a foreign wrapper that flattens would pass
+    opt.param_groups[0]["params"] = [flat]
+    flat.grad = torch.randn(16)
+    with pytest.raises(RuntimeError, match="no DeepSpeed ZeRO bookkeeping describes"):
+        opt.step()
