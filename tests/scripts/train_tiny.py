@@ -2,11 +2,13 @@
 
 Only ``TrainingArguments`` flags are needed. A few script flags serve the launcher tests:
 ``--eval_before false`` (DeepSpeed ZeRO-1/2 cannot evaluate before training), ``--dump_params PATH``
-(each rank writes its full fp32 parameters to ``PATH.rank<R>.pt`` after training), ``--from_config``
+(each rank writes its full fp32 parameters to ``PATH.rank<R>.pt`` after training), ``--report PATH``
+(each rank writes what it saw to ``PATH.rank<R>.json``: ranks' output lines interleave), ``--from_config``
 (build the model with ``AutoModelForCausalLM.from_config``: under ZeRO-3 that is ``zero.Init``, which
 partitions parameters as they are created). ``--resume_from_checkpoint`` is passed to ``train()``.
 """
 
+import json
 import sys
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ class Bytes(Dataset):
 class ScriptArgs:
     eval_before: bool = True
     dump_params: str | None = None
+    report: str | None = None
     from_config: bool = False
 
 
@@ -60,6 +63,7 @@ def main() -> None:
     config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = AutoModelForCausalLM.from_config(config) if script.from_config else LlamaForCausalLM(config)
+    built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # under zero.Init
     data = Bytes(open(__file__, "rb").read() * 4)
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
     print(f"RANK={args.process_index} NUM_PROCESSES={trainer.accelerator.num_processes} "
@@ -75,10 +79,26 @@ def main() -> None:
     for group in optimizer.param_groups:
         if "algorithm" in group and "param_names" in group:
             print(f"GROUP algorithm={group['algorithm']} names={','.join(group['param_names'])}")
+    stats = getattr(optimizer, "exchange_stats", None)  # hf_muon.Muon: Newton–Schulz runs on this rank
+    if stats is not None:
+        print(f"NS_TENSORS={stats.tensors_orthogonalized} RANK={args.process_index}")
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if losses:
         print(f"TRAIN_LOSS_FIRST={losses[0]:.4f} TRAIN_LOSS_LAST={losses[-1]:.4f}")
     print(f"EVAL_LOSS_BEFORE={before:.4f} EVAL_LOSS_AFTER={after:.4f}")
+    if script.report:
+        report = dict(
+            num_processes=trainer.accelerator.num_processes, world_size=args.world_size,
+            distributed_type=str(trainer.accelerator.distributed_type), built_partitioned=built_partitioned,
+            wrapper=type(trainer.model_wrapped).__name__, param=type(param.data).__name__, dtype=str(param.dtype),
+            fsdp=trainer.is_fsdp_enabled, deepspeed=trainer.is_deepspeed_enabled,
+            optimizer=f"{type(optimizer).__module__}.{type(optimizer).__name__}",
+            ns_tensors=None if stats is None else stats.tensors_orthogonalized,
+            groups=[(g["algorithm"], g.get("param_names")) for g in optimizer.param_groups if "algorithm" in g],
+            train_losses=losses, eval_loss_after=after, global_step=trainer.state.global_step,
+        )
+        with open(f"{script.report}.rank{args.process_index}.json", "w") as f:
+            json.dump(report, f)
     if script.dump_params:
         torch.save(full_parameters(trainer.model), f"{script.dump_params}.rank{args.process_index}.pt")
     sys.stdout.flush()
