@@ -2,6 +2,7 @@
 
     hf-muon inspect MODEL_DIR_OR_CONFIG   which parameters get Muon or AdamW, and optimizer-state bytes
     hf-muon run SCRIPT [ARGS...]          same as ``python -m hf_muon.run SCRIPT [ARGS...]``
+    hf-muon bench [--quick] [...]         Muon vs AdamW, torch.optim.Muon and DeepSpeed's Muon on this machine
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
 
         run_main(argv[1:])
         return
+    if argv and argv[0] == "bench":
+        from .bench.run import main as bench_main
+
+        bench_main(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="hf-muon", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="show which parameters get Muon and the optimizer-state bytes")
@@ -75,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     p_inspect.add_argument("--force_muon", help="regex of parameter names to give Muon anyway")
     p_inspect.add_argument("--force_adamw", help="regex of parameter names to give AdamW anyway")
     sub.add_parser("run", help="run a training script with --optim muon registered (python -m hf_muon.run)")
+    from .bench.run import add_arguments as add_bench_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="benchmark: step time, throughput, memory, traffic, quality; "
+                                                     "writes results.json, report.md and PNGs"))
     args = parser.parse_args(argv)
     if args.command == "inspect":
         if not os.path.exists(args.model):

@@ -1,0 +1,181 @@
+"""Shared pieces of the benchmark: summaries, shapes, machine facts, child processes, progress bars."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+
+def summarize(samples: Sequence[float]) -> dict[str, Any]:
+    """Median and min–max of repeated measurements (the samples are kept too)."""
+    values = [float(s) for s in samples]
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0, "samples": []}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "samples": values}
+
+
+def ffn_width(d: int) -> int:
+    """Llama's SwiGLU width rule: 8d/3 rounded up to a multiple of 256."""
+    return 256 * ((8 * d // 3 + 255) // 256)
+
+
+def llama_matrices(d: int, layers: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
+    """Weight shapes (out, in) of a Llama block stack: GQA attention (q, k, v, o) and a SwiGLU MLP
+    (gate, up, down). Embeddings and the output head are not hidden matrices (AdamW's in Muon)."""
+    head_dim = d // heads
+    ffn = ffn_width(d)
+    block = [(d, d), (kv_heads * head_dim, d), (kv_heads * head_dim, d), (d, d), (ffn, d), (ffn, d), (d, ffn)]
+    return block * layers
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    info = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_at_start": loadavg(),
+    }
+    for name in ("transformers", "accelerate", "deepspeed"):
+        try:
+            from importlib.metadata import version
+
+            info[name] = version(name)
+        except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
+            info[name] = None
+    return info
+
+
+def child_env(threads: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a benchmark child process: offline, passive OpenMP waiting (busy-waiting threads
+    slow everything down many times over when the CPU is shared), optional thread count."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env["PYTHONUNBUFFERED"] = "1"
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["MKL_NUM_THREADS"] = str(threads)
+    env.update(extra or {})
+    return env
+
+
+def run_child(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None,
+              cwd: str | Path | None = None, on_poll: Callable[[], None] | None = None) -> tuple[bool, str]:
+    """Run ``cmd`` with its output in ``log_path``; kill its whole process group after ``timeout_s``.
+    ``on_poll`` is called about once a second while it runs (progress bars).
+
+    Returns ``(ok, reason)``: reason is ``""`` on success, else a one-line cause (exit code or
+    timeout, and the most telling line of the log)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+        while True:
+            try:
+                rc = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if on_poll is not None:
+                    on_poll()
+                if time.monotonic() > deadline:
+                    _kill_group(proc)
+                    return False, f"timed out after {timeout_s:.0f} s ({last_line(log_path)})"
+    if on_poll is not None:
+        on_poll()
+    if rc != 0:
+        return False, f"exit code {rc}: {last_line(log_path)}"
+    return True, ""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the process group this module started for ``proc`` (launchers leave children behind)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b:?")
+
+
+def last_line(log_path: Path) -> str:
+    """The most telling line of a log: the last exception line, else the last one saying "failed" or
+    "error", else the last non-empty one."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    lines = [ln for ln in lines if not ln.startswith("$ ")]
+    for test in (lambda ln: _EXCEPTION_LINE.match(ln), lambda ln: "failed" in ln.lower() or "error" in ln.lower()):
+        for line in reversed(lines):
+            if test(line):
+                return line[:300]
+    return lines[-1][:300] if lines else "empty log"
+
+
+def progress(total: int, desc: str, unit: str = "it"):
+    """A tqdm progress bar on stderr (shown by ``hf-muon bench``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self.start

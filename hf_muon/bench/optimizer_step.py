@@ -1,0 +1,259 @@
+"""Figure 1: the optimizer step on Llama-like sets of matrices, in this process.
+
+* step time of each contender (``torch.optim.AdamW`` foreach, ``hf_muon.Muon`` as shipped, the same
+  with the Newton–Schulz kernel before the Gram change, with ``ns_dtype=bf16``, and
+  ``torch.optim.Muon``) on the same tensors and gradients;
+* Newton–Schulz FLOP/s as a fraction of this machine's matmul FLOP/s for the very products it
+  executes (same shapes, same dtype, timed bare with preallocated outputs);
+* orthogonality error of each Newton–Schulz variant against the exact polar factor ``U V^T`` of an
+  SVD in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .common import llama_matrices, progress, summarize
+
+ADAMW = "torch.optim.AdamW (foreach)"
+HF_MUON = "hf_muon.Muon"
+HF_MUON_BEFORE = "hf_muon.Muon, NS kernel before (standard iterations)"
+HF_MUON_BF16 = "hf_muon.Muon (ns_dtype=bf16)"
+TORCH_MUON = "torch.optim.Muon (bf16, per matrix)"
+CONTENDERS = (ADAMW, HF_MUON, HF_MUON_BEFORE, HF_MUON_BF16, TORCH_MUON)
+NS_STEPS = 5
+
+
+def shape_set(spec: dict[str, int]) -> list[tuple[int, int]]:
+    return llama_matrices(spec["d"], spec["layers"], spec["heads"], spec["kv_heads"])
+
+
+def standard_ns_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> int:
+    from ..kernels.newton_schulz import ns_flops
+
+    return sum(ns_flops(r, c, steps, "standard") for r, c in shapes)
+
+
+@contextlib.contextmanager
+def ns_method(method: str):
+    """Make ``hf_muon.Muon`` run Newton–Schulz with ``method`` (the "before" row uses "standard")."""
+    from ..kernels import newton_schulz
+    from ..optimizer import muon as muon_module
+
+    original = muon_module.orthogonalize
+    muon_module.orthogonalize = functools.partial(newton_schulz.orthogonalize, method=method)
+    try:
+        yield
+    finally:
+        muon_module.orthogonalize = original
+
+
+def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:
+    """The contender ``name`` on ``params`` (all hidden matrices) and a context its steps run in."""
+    from ..optimizer.muon import Muon
+
+    lr, wd = 1e-3, 0.01
+    if name == ADAMW:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=True), contextlib.nullcontext()
+    if name == TORCH_MUON:
+        return torch.optim.Muon(params, lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw"), contextlib.nullcontext()
+    group = [{"params": params, "algorithm": "muon"}]
+    if name == HF_MUON:
+        return Muon(group, lr=lr, weight_decay=wd), contextlib.nullcontext()
+    if name == HF_MUON_BEFORE:
+        return Muon(group, lr=lr, weight_decay=wd), ns_method("standard")
+    if name == HF_MUON_BF16:
+        return Muon(group, lr=lr, weight_decay=wd, ns_dtype=torch.bfloat16), contextlib.nullcontext()
+    raise ValueError(name)
+
+
+def time_steps(name: str, shapes: list[tuple[int, int]], repeats: int, min_repeats: int, budget_s: float,
+               warmup: int = 1) -> dict[str, Any]:
+    """Median/min–max of timed ``step()`` calls after ``warmup`` untimed ones. Stops early (but after at
+    least ``min_repeats``) once the timed steps have used ``budget_s``; the same rule for everyone."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    opt, context = make_optimizer(name, params)
+    times: list[float] = []
+    warm = []
+    with context:
+        for i in range(warmup + repeats):
+            for p, g in zip(params, grads):
+                p.grad = g
+            start = time.perf_counter()
+            opt.step()
+            elapsed = time.perf_counter() - start
+            if i < warmup:
+                warm.append(elapsed)
+                continue
+            times.append(elapsed)
+            if len(times) >= min_repeats and sum(times) > budget_s:
+                break
+    return {**summarize(times), "warmup_s": warm}
+
+
+def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Step time of every contender on every set. A contender whose step on a set is estimated (from
+    its time on the previous set, scaled by Newton–Schulz FLOPs) above ``max_step_s`` is skipped
+    there, with the estimate as the reason."""
+    out: dict[str, Any] = {}
+    previous: dict[str, tuple[float, int]] = {}
+    bar = progress(len(sets) * len(CONTENDERS), "fig 1: optimizer step", "contender")
+    for set_name, spec in sets.items():
+        shapes = shape_set(spec)
+        flops = standard_ns_flops(shapes)
+        rows: dict[str, Any] = {}
+        for name in CONTENDERS:
+            bar.set_postfix_str(f"{set_name}: {name}")
+            if name != ADAMW and name in previous:
+                seconds, prev_flops = previous[name]
+                estimate = seconds * flops / prev_flops
+                if estimate > cfg["max_step_s"]:
+                    rows[name] = {"skipped": f"estimated {estimate:.0f} s per step from the previous set "
+                                             f"(over the {cfg['max_step_s']:.0f} s per-step cap of this preset)"}
+                    bar.update()
+                    continue
+            rows[name] = time_steps(name, shapes, cfg["repeats"], cfg["min_repeats"], cfg["budget_s"])
+            previous[name] = (rows[name]["median"], flops)
+            bar.update()
+        base = rows[ADAMW]["median"]
+        for row in rows.values():
+            if row.get("median") is not None:
+                row["x_adamw"] = row["median"] / base
+        out[set_name] = {"spec": spec, "matrices": len(shapes), "parameters": sum(r * c for r, c in shapes),
+                         "standard_ns_gflop": flops / 1e9, "contenders": rows}
+    bar.close()
+    return out
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, min_seconds: float = 0.02) -> float:
+    """Median over ``repeats`` of the mean time of ``fn``, each sample looping until ``min_seconds``."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+        samples.append(elapsed / n)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Newton–Schulz time per distinct shape (batched as hf_muon.Muon batches it) against the time of
+    the bare matrix products it executes: ``fraction = bare matmul time / NS time``, i.e. achieved
+    FLOP/s over the machine's matmul FLOP/s for the same shapes and dtype."""
+    from ..kernels.newton_schulz import ns_flops, ns_matmuls, orthogonalize, resolve_method
+
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    bare_cache: dict[tuple[int, int, int, int], float] = {}
+
+    def bare(b: int, m: int, k: int, n: int) -> float:
+        key = (b, m, k, n)
+        if key not in bare_cache:
+            x = torch.randn(b, m, k, generator=gen, dtype=dtype)
+            y = torch.randn(b, k, n, generator=gen, dtype=dtype)
+            out = torch.empty(b, m, n, dtype=dtype)
+            bare_cache[key] = _median_time(lambda: torch.bmm(x, y, out=out), repeats)
+        return bare_cache[key]
+
+    for (r, c), count in Counter(shapes).items():
+        batch = torch.randn(count, r, c, generator=gen)
+        for label, method in (("shipped", resolve_method(r, c, NS_STEPS, dtype)), ("before", "standard")):
+            ns_time = _median_time(lambda: orthogonalize(batch, NS_STEPS, "quintic", dtype, method=method), repeats)
+            products = Counter(ns_matmuls(r, c, NS_STEPS, method))
+            bare_time = sum(k * bare(count, *mkn) for mkn, k in products.items())
+            executed = count * ns_flops(r, c, NS_STEPS, method)
+            standard = count * ns_flops(r, c, NS_STEPS, "standard")
+            rows.append({
+                "shape": [r, c], "batch": count, "kernel": label, "method": method, "ns_s": ns_time,
+                "bare_matmul_s": bare_time, "executed_gflop": executed / 1e9,
+                "achieved_gflops": executed / ns_time / 1e9, "machine_gflops": executed / bare_time / 1e9,
+                "fraction_of_machine": bare_time / ns_time, "standard_equivalent_gflops": standard / ns_time / 1e9,
+            })
+    totals = {}
+    for label in ("shipped", "before"):
+        sel = [row for row in rows if row["kernel"] == label]
+        ns_total = sum(row["ns_s"] for row in sel)
+        bare_total = sum(row["bare_matmul_s"] for row in sel)
+        executed = sum(row["executed_gflop"] for row in sel)
+        totals[label] = {"ns_s": ns_total, "bare_matmul_s": bare_total, "fraction_of_machine": bare_total / ns_total,
+                         "achieved_gflops": executed / ns_total,
+                         "machine_gflops": executed / bare_total,
+                         "standard_equivalent_gflops": standard_ns_flops(shapes) / 1e9 / ns_total}
+    return {"dtype": str(dtype).replace("torch.", ""), "steps": NS_STEPS, "per_shape": rows, "total": totals}
+
+
+def _torch_muon_ns(g: torch.Tensor) -> torch.Tensor:
+    from torch.optim import _muon
+
+    return _muon._zeropower_via_newtonschulz(g, (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C), NS_STEPS, 1e-7)
+
+
+def ns_variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    from ..kernels.newton_schulz import orthogonalize
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    return {
+        "torch.optim.Muon (quintic, bf16, 5 steps)": _torch_muon_ns,
+        "hf_muon shipped on CPU (quintic, fp32, Gram for wide, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", f32),
+        "hf_muon before (quintic, fp32, standard, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", f32, method="standard"),
+        "hf_muon quintic bf16 (standard, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", bf16),
+        "hf_muon Polar Express fp32 (5 steps)": lambda g: orthogonalize(g, 5, "polar_express", f32),
+        "hf_muon Polar Express fp32 (8 steps)": lambda g: orthogonalize(g, 8, "polar_express", f32),
+    }
+
+
+def orthogonality(shapes: list[tuple[int, int]]) -> dict[str, Any]:
+    """Relative Frobenius error ``|O - U V^T| / |U V^T|`` and the range of O's singular values, per
+    variant, on one seeded Gaussian matrix per distinct shape (averaged with the shapes' counts)."""
+    gen = torch.Generator().manual_seed(2)
+    counts = Counter(shapes)
+    inputs = {shape: torch.randn(shape, generator=gen) for shape in counts}
+    polar = {}
+    for shape, g in inputs.items():
+        u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+        polar[shape] = u @ vh
+    out = {}
+    for name, fn in ns_variants().items():
+        errors, smin, smax = [], [], []
+        for shape, g in inputs.items():
+            o = fn(g).double()
+            errors += [((o - polar[shape]).norm() / polar[shape].norm()).item()] * counts[shape]
+            s = torch.linalg.svdvals(o)
+            smin.append(s.min().item())
+            smax.append(s.max().item())
+        out[name] = {"relative_error": sum(errors) / len(errors), "sigma_min": min(smin), "sigma_max": max(smax)}
+    return out
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Figure 1 with the preset's ``cfg`` (``sets``, ``repeats``, ``min_repeats``, ``budget_s``,
+    ``max_step_s``, ``ns_repeats``)."""
+    sets = cfg["sets"]
+    result: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
+    result["step_time"] = step_times(sets, cfg)
+    result["ns_efficiency"] = {}
+    result["orthogonality"] = {}
+    bar = progress(2 * len(sets), "fig 1: NS FLOP/s and orthogonality", "part")
+    for set_name, spec in sets.items():
+        result["ns_efficiency"][set_name] = ns_efficiency(shape_set(spec), cfg["ns_repeats"])
+        bar.update()
+        if set_name == next(iter(sets)) or cfg.get("orthogonality_all_sets"):
+            result["orthogonality"][set_name] = orthogonality(shape_set(spec))
+        bar.update()
+    bar.close()
+    return result

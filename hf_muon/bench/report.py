@@ -1,0 +1,546 @@
+"""The report: targets judged from the measurements, ``report.md`` with tables, and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .optimizer_step import ADAMW, CONTENDERS, HF_MUON, TORCH_MUON
+from .throughput import SINGLE
+
+ZERO2, ZERO3 = "ZeRO-2, W=2", "ZeRO-3, W=2"
+MET, MISSED, NOT_MEASURED = "met", "MISSED", "not measured"
+# "Equal or better orthogonality error": float noise (bf16 vs fp32 rounding of the same quintic)
+# moves the error in the 5th digit; equal means within this relative tolerance.
+ORTHO_TOLERANCE = 0.01
+
+
+def _mib(n: float | None) -> str:
+    return "–" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}g}"
+
+
+def _ms(summary: dict[str, Any] | None) -> str:
+    if not summary or summary.get("median") is None:
+        return "–"
+    return f"{1e3 * summary['median']:.1f} ({1e3 * summary['min']:.1f}–{1e3 * summary['max']:.1f})"
+
+
+def _range(summary: dict[str, Any] | None, scale: float = 1.0, digits: int = 0) -> str:
+    if not summary or summary.get("median") is None:
+        return "–"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(summary['median'] * scale)} ({f.format(summary['min'] * scale)}–{f.format(summary['max'] * scale)})"
+
+
+def _status(ok: bool) -> str:
+    return MET if ok else MISSED
+
+
+def _get(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+# ------------------------------------------------------------------------------------------- targets
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the benchmark issue with the measured value and met / MISSED / not measured."""
+    figs = results.get("figures", {})
+    out = []
+
+    def add(name: str, goal: str, measured: str | None, status: str, detail: str = "") -> None:
+        out.append({"target": name, "goal": goal, "measured": measured or "–", "status": status, "detail": detail})
+
+    # 1. throughput
+    train = _get(figs, "fig2_4", "settings") or {}
+    for setting in (SINGLE, ZERO2):
+        rows = train.get(setting, {})
+        muon, adamw = rows.get("hf_muon", {}), rows.get("adamw", {})
+        name = f"throughput, {setting}"
+        tokens = _get(results, "figures", "fig2_4", "config", "tokens_per_step")
+        goal = f"hf_muon.Muon tokens/s >= 0.98 x AdamW's at {tokens} tokens per step"
+        if "failed" in muon or "failed" in adamw or not muon or not adamw:
+            why = muon.get("failed") or adamw.get("failed") or "not run"
+            add(name, goal, None, NOT_MEASURED, f"failed: {why}")
+        else:
+            ratio = muon["throughput_x_adamw"]
+            add(name, goal, f"{ratio:.3f} x", _status(ratio >= 0.98),
+                f"{muon['tokens_per_s']['median']:.0f} vs {adamw['tokens_per_s']['median']:.0f} tokens/s (medians)")
+
+    # 2. Newton–Schulz FLOP/s
+    fig1 = figs.get("fig1", {})
+    first_set = next(iter(_get(fig1, "step_time") or {}), None)
+    eff = _get(fig1, "ns_efficiency", first_set, "total", "shipped") if first_set else None
+    goal = "Newton–Schulz >= 85% of this machine's matmul FLOP/s for the same shapes and dtype"
+    if eff:
+        add(f"NS FLOP/s ({first_set})", goal, f"{100 * eff['fraction_of_machine']:.0f}%",
+            _status(eff["fraction_of_machine"] >= 0.85),
+            f"{eff['achieved_gflops']:.1f} GFLOP/s executed vs {eff['machine_gflops']:.1f} GFLOP/s bare matmuls "
+            f"(fp32); {eff['standard_equivalent_gflops']:.1f} GFLOP/s counted as the standard iteration's FLOPs")
+    else:
+        add("NS FLOP/s", goal, None, NOT_MEASURED, _get(results, "sections", "fig1", "failed") or "fig 1 not run")
+
+    # 3. step time vs torch.optim.Muon at equal or better orthogonality error
+    rows = _get(fig1, "step_time", first_set, "contenders") if first_set else None
+    ortho = _get(fig1, "orthogonality", first_set) if first_set else None
+    goal = "hf_muon.Muon step <= 0.75 x torch.optim.Muon's at equal or better orthogonality error"
+    if rows and ortho and rows.get(HF_MUON, {}).get("median") and rows.get(TORCH_MUON, {}).get("median"):
+        ratio = rows[HF_MUON]["median"] / rows[TORCH_MUON]["median"]
+        ours = next(v for k, v in ortho.items() if k.startswith("hf_muon shipped"))["relative_error"]
+        theirs = next(v for k, v in ortho.items() if k.startswith("torch.optim.Muon"))["relative_error"]
+        error_ok = ours <= theirs * (1 + ORTHO_TOLERANCE)
+        add(f"step time vs torch.optim.Muon ({first_set})", goal, f"{ratio:.3f} x; error {ours:.4f} vs {theirs:.4f}",
+            _status(ratio <= 0.75 and error_ok),
+            f"equal error = within {100 * ORTHO_TOLERANCE:.0f}% relative; torch.optim.Muon runs Newton–Schulz in "
+            "bf16, which this CPU emulates (no native bf16 matmul), hf_muon in fp32 here")
+    else:
+        add("step time vs torch.optim.Muon", goal, None, NOT_MEASURED, "fig 1 step times incomplete")
+
+    # 4. peak memory, 5. optimizer state
+    single = train.get(SINGLE, {})
+    muon, adamw = single.get("hf_muon", {}), single.get("adamw", {})
+    goal = "peak resident memory of the training process <= 0.85 x AdamW's"
+    if muon.get("peak_rss_bytes_per_rank") and adamw.get("peak_rss_bytes_per_rank"):
+        m, a = muon["peak_rss_bytes_per_rank"][0], adamw["peak_rss_bytes_per_rank"][0]
+        growth_m = m - muon["rss_before_train_bytes_per_rank"][0]
+        growth_a = a - adamw["rss_before_train_bytes_per_rank"][0]
+        note = "" if muon.get("rss_isolated") else " (runs shared one process: sampled, not isolated)"
+        add("peak training memory (single process)", goal, f"{m / a:.3f} x", _status(m / a <= 0.85),
+            f"{_mib(m)} vs {_mib(a)}{note}; growth during training {_mib(growth_m)} vs {_mib(growth_a)}")
+    else:
+        add("peak training memory", goal, None, NOT_MEASURED, muon.get("failed") or adamw.get("failed") or "not run")
+    state = _get(figs, "fig3", "measured")
+    goal = "optimizer state <= 0.55 x AdamW's on the Llama-like model"
+    if state:
+        add("optimizer state (Llama-like model)", goal, f"{state['muon_x_adamw']:.3f} x",
+            _status(state["muon_x_adamw"] <= 0.55),
+            f"{_mib(state['hf_muon.Muon'])} vs {_mib(state['AdamW'])}, vocabulary {state['vocab']}")
+    else:
+        add("optimizer state", goal, None, NOT_MEASURED, _get(results, "sections", "fig3", "failed") or "not run")
+
+    # 6. traffic under ZeRO-3
+    z3 = train.get(ZERO3, {})
+    goal = "extra traffic over AdamW <= 0.25 x the extra traffic of DeepSpeed's Muon (ZeRO-3, W=2)"
+    rows3 = {k: v for k, v in z3.items() if "collective_bytes_per_rank_per_step" in v}
+    if all(k in rows3 for k in ("adamw", "hf_muon", "ds_muon")):
+        base = rows3["adamw"]["collective_bytes_per_rank_per_step"]["total"]
+        ours = rows3["hf_muon"]["collective_bytes_per_rank_per_step"]["total"] - base
+        theirs = rows3["ds_muon"]["collective_bytes_per_rank_per_step"]["total"] - base
+        if theirs > 0:
+            add("extra traffic, ZeRO-3 W=2", goal, f"{ours / theirs:.3f} x", _status(ours / theirs <= 0.25),
+                f"+{_mib(ours)} vs +{_mib(theirs)} per rank per step over AdamW's {_mib(base)}")
+        else:
+            add("extra traffic, ZeRO-3 W=2", goal, None, NOT_MEASURED,
+                f"DeepSpeed's Muon moved no more than AdamW ({_mib(theirs)} extra): ratio undefined")
+    else:
+        why = "; ".join(f"{k}: {v.get('failed')}" for k, v in z3.items() if "failed" in v) or "not run"
+        add("extra traffic, ZeRO-3 W=2", goal, None, NOT_MEASURED, f"failed: {why}")
+
+    # 7. quality
+    q = figs.get("fig5", {})
+    goal = "hf_muon.Muon at its best lr reaches AdamW's best final eval loss in <= 0.4 x the steps (median over seeds)"
+    reach = _get(q, "reach", "muon_at_its_best_lr")
+    if reach:
+        frac = reach["fraction_of_run"]
+        measured = "not reached" if frac is None else f"{frac:.2f} x ({reach['median_steps']:.0f} of {q['max_steps']} steps)"
+        add("steps to AdamW's best loss", goal, measured, _status(frac is not None and frac <= 0.4),
+            f"target loss {q['target_loss']:.4f} (AdamW at lr {q['best_lr']['AdamW']:g}); Muon at lr "
+            f"{q['best_lr']['hf_muon.Muon']:g}")
+    else:
+        add("steps to AdamW's best loss", goal, None, NOT_MEASURED, q.get("failed") or "fig 5 not run")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = results.get("figures", {})
+    written: list[str] = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    def bars(ax, labels, values, lows=None, highs=None, colors=None):
+        xs = range(len(labels))
+        err = None
+        if lows is not None:
+            err = [[max(0.0, v - lo) for v, lo in zip(values, lows)], [max(0.0, hi - v) for v, hi in zip(values, highs)]]
+        ax.bar(xs, values, yerr=err, capsize=3, color=colors)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+
+    fig1 = figs.get("fig1", {})
+    if fig1.get("step_time"):
+        sets = fig1["step_time"]
+        fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4.2), squeeze=False)
+        for ax, (set_name, data) in zip(axes[0], sets.items()):
+            names = [n for n in CONTENDERS if data["contenders"].get(n, {}).get("median")]
+            rows = [data["contenders"][n] for n in names]
+            bars(ax, names, [1e3 * r["median"] for r in rows], [1e3 * r["min"] for r in rows],
+                 [1e3 * r["max"] for r in rows])
+            ax.set_yscale("log")
+            ax.set_ylabel("optimizer step (ms, median, min–max)")
+            spec = data["spec"]
+            ax.set_title(f"{set_name}: d={spec['d']}, {spec['layers']} layers, {data['matrices']} matrices", fontsize=9)
+        save(fig, "fig1_step_time.png")
+    if fig1.get("ns_efficiency"):
+        effs = fig1["ns_efficiency"]
+        fig, axes = plt.subplots(1, len(effs), figsize=(5.5 * len(effs), 4.0), squeeze=False)
+        for ax, (set_name, eff) in zip(axes[0], effs.items()):
+            labels, values = [], []
+            for row in eff["per_shape"]:
+                labels.append(f"{row['shape'][0]}x{row['shape'][1]} x{row['batch']} {row['kernel']} ({row['method']})")
+                values.append(100 * row["fraction_of_machine"])
+            for label in ("shipped", "before"):
+                labels.append(f"all shapes, {label}")
+                values.append(100 * eff["total"][label]["fraction_of_machine"])
+            bars(ax, labels, values, colors=["tab:blue" if "shipped" in lb else "tab:gray" for lb in labels])
+            ax.axhline(85, color="red", linestyle=":", label="target 85%")
+            ax.set_ylabel("% of bare-matmul FLOP/s, same products (fp32)")
+            ax.set_title(f"{set_name}: Newton–Schulz vs machine matmul", fontsize=9)
+            ax.legend(fontsize=7)
+        save(fig, "fig1_ns_efficiency.png")
+    if fig1.get("orthogonality"):
+        set_name, ortho = next(iter(fig1["orthogonality"].items()))
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        names = list(ortho)
+        bars(ax, names, [ortho[n]["relative_error"] for n in names])
+        ax.set_yscale("log")
+        ax.set_ylabel("|O - UV^T|_F / |UV^T|_F")
+        ax.set_title(f"orthogonality error vs SVD polar factor ({set_name})", fontsize=9)
+        save(fig, "fig1_orthogonality.png")
+
+    train = _get(figs, "fig2_4", "settings") or {}
+    if train:
+        fig, ax = plt.subplots(figsize=(8, 4.2))
+        labels, values, lows, highs = [], [], [], []
+        for setting, rows in train.items():
+            for contender, row in rows.items():
+                labels.append(f"{setting}\n{row.get('label') or contender}")
+                tps = row.get("tokens_per_s") or {}
+                values.append(tps.get("median") or 0.0)
+                lows.append(tps.get("min") or 0.0)
+                highs.append(tps.get("max") or 0.0)
+        bars(ax, labels, values, lows, highs)
+        ax.set_ylabel("tokens/s (median, min–max over steps); 0 = failed")
+        tokens = _get(figs, "fig2_4", "config", "tokens_per_step")
+        ax.set_title(f"end-to-end Trainer throughput, {tokens} tokens per optimizer step", fontsize=9)
+        save(fig, "fig2_throughput.png")
+
+    state = _get(figs, "fig3", "measured")
+    single = train.get(SINGLE, {})
+    if state or single:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        if state:
+            bars(a1, ["AdamW", "hf_muon.Muon"], [state["AdamW"] / 2**20, state["hf_muon.Muon"] / 2**20])
+            a1.set_ylabel("optimizer state (MiB)")
+            a1.set_title(f"Llama-like model (vocab {state['vocab']})", fontsize=9)
+        names = [c for c, r in single.items() if r.get("peak_rss_bytes_per_rank")]
+        if names:
+            peak = [single[c]["peak_rss_bytes_per_rank"][0] / 2**20 for c in names]
+            before = [single[c]["rss_before_train_bytes_per_rank"][0] / 2**20 for c in names]
+            xs = range(len(names))
+            a2.bar(xs, before, label="before training", color="tab:gray")
+            a2.bar(xs, [p - b for p, b in zip(peak, before)], bottom=before, label="growth to peak", color="tab:blue")
+            a2.set_xticks(list(xs))
+            a2.set_xticklabels([single[c].get("label") or c for c in names], rotation=20, ha="right", fontsize=7)
+            a2.set_ylabel("resident memory (MiB)")
+            a2.set_title("peak RSS of the training process (single process)", fontsize=9)
+            a2.legend(fontsize=7)
+        save(fig, "fig3_memory.png")
+
+    zero_rows = [(s, c, r) for s, rows in train.items() if s != SINGLE for c, r in rows.items()]
+    if zero_rows:
+        from .commcount import CATEGORIES
+
+        fig, ax = plt.subplots(figsize=(8, 4.2))
+        xs = range(len(zero_rows))
+        bottom = [0.0] * len(zero_rows)
+        for cat in CATEGORIES:
+            vals = [(_get(r, "collective_bytes_per_rank_per_step", "by_category", cat) or 0) / 2**20 for _, _, r in zero_rows]
+            ax.bar(xs, vals, bottom=bottom, label=cat)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"{s}\n{r.get('label') or c}" + ("\n(failed)" if "failed" in r else "")
+                            for s, c, r in zero_rows], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("MiB per rank per optimizer step")
+        ax.set_title("bytes passed to collectives", fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "fig4_network.png")
+
+    q = figs.get("fig5", {})
+    if q.get("grid"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, rows in q["grid"].items():
+            pts = sorted((r["lr"], r["final_eval_loss"]) for r in rows.values())
+            if not pts:
+                continue
+            lrs = [p[0] for p in pts]
+            med = [p[1]["median"] for p in pts]
+            ax.errorbar(lrs, med, yerr=[[m - p[1]["min"] for m, p in zip(med, pts)], [p[1]["max"] - m for m, p in zip(med, pts)]],
+                        marker="o", capsize=3, label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "no finished runs", transform=ax.transAxes, ha="center")
+        ax.set_ylabel("final eval loss (median, min–max over seeds)")
+        ax.set_title("learning-rate sweep, same grid for both", fontsize=9)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        save(fig, "fig5_lr_sweep.png")
+    if q.get("curves"):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for label, data in q["curves"].items():
+            if data["median_curve"]:
+                ax.plot(*zip(*data["median_curve"]), marker="o", markersize=3, label=f"{label} ({data['lr']:g})")
+        ax.axhline(q["target_loss"], color="gray", linestyle=":", label="AdamW's best final eval loss")
+        reach = _get(q, "reach", "muon_at_its_best_lr", "median_steps")
+        if reach is not None:
+            ax.axvline(reach, color="gray", linestyle="--", label=f"Muon reaches it at step {reach:.0f} (median)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("eval loss (median over seeds)")
+        ax.set_title("eval loss at the best learning rates", fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "fig5_curves.png")
+    return written
+
+
+# ------------------------------------------------------------------------------------------ markdown
+def markdown(results: dict[str, Any], plot_files: list[str]) -> str:
+    m = results.get("machine", {})
+    lines = [
+        f"# hf_muon benchmark ({results['preset']} preset)", "",
+        f"Command: `{results['command']}`  ",
+        f"Started {results['started']}, took {results['elapsed_s']:.0f} s.  ",
+        f"Machine: {m.get('cpu')}, {m.get('cpu_count')} CPUs ({m.get('cpu_capability')}), torch {m.get('torch')}, "
+        f"transformers {m.get('transformers')}, accelerate {m.get('accelerate')}, deepspeed {m.get('deepspeed')}.  ",
+        f"Load average at start {m.get('loadavg_at_start')}, at end {results.get('loadavg_at_end')} "
+        f"(anything above 0 besides this benchmark is contention: the timings are this run's, on this machine).",
+        "",
+    ]
+    if results["preset"] == "quick":
+        lines += ["> **Quick preset**: tiny models and few steps, to check that the pipeline works. Its numbers "
+                  "say nothing about the targets; use the full preset for that.", ""]
+    lines += ["## Targets", "", "| target | goal | measured | status | detail |", "|---|---|---|---|---|"]
+    for t in results["targets"]:
+        lines.append(f"| {t['target']} | {t['goal']} | {t['measured']} | **{t['status']}** | {t['detail']} |")
+    missed = [t for t in results["targets"] if t["status"] != MET]
+    lines += ["", (f"{len(missed)} of {len(results['targets'])} targets are not met or not measured: "
+                   + "; ".join(f"{t['target']} ({t['status']})" for t in missed) + ".") if missed
+              else "All targets met in this run.", ""]
+    for name, sec in results.get("sections", {}).items():
+        if "failed" in sec:
+            lines += [f"**{name} failed:** {sec['failed']}", ""]
+    figs = results.get("figures", {})
+    lines += _fig1_md(figs.get("fig1"), plot_files)
+    lines += _train_md(figs.get("fig2_4"), plot_files)
+    lines += _fig3_md(figs.get("fig3"), figs.get("fig2_4"), plot_files)
+    lines += _fig4_md(figs.get("fig2_4"), plot_files)
+    lines += _fig5_md(figs.get("fig5"), plot_files)
+    timing = results.get("sections", {})
+    lines += ["## Sections", "", "| section | seconds | load average before | after |", "|---|---|---|---|"]
+    for name, sec in timing.items():
+        lines.append(f"| {name} | {sec.get('elapsed_s', 0):.0f} | {sec.get('loadavg_before')} | {sec.get('loadavg_after')} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _img(name: str, plot_files: list[str]) -> list[str]:
+    return [f"![{name}]({name})", ""] if name in plot_files else []
+
+
+def _fig1_md(fig1: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
+    if not fig1:
+        return []
+    out = ["## 1. Optimizer step on Llama-like matrices", "",
+           f"Single process, {fig1.get('torch_threads')} torch threads. One warm-up step, then timed steps "
+           "(median and min–max) on the same tensors and gradients for every contender.", ""]
+    for set_name, data in fig1.get("step_time", {}).items():
+        spec = data["spec"]
+        out += [f"**{set_name}**: d={spec['d']}, {spec['layers']} layers, {spec['heads']} heads, {spec['kv_heads']} "
+                f"KV heads (GQA), SwiGLU; {data['matrices']} matrices, {data['parameters'] / 1e6:.2f}M parameters, "
+                f"{data['standard_ns_gflop']:.1f} GFLOP of Newton–Schulz per step (standard form).", "",
+                "| contender | step ms, median (min–max) | n | x AdamW |", "|---|---|---|---|"]
+        for name in CONTENDERS:
+            row = data["contenders"].get(name, {})
+            if "skipped" in row:
+                out.append(f"| {name} | skipped: {row['skipped']} | – | – |")
+            else:
+                out.append(f"| {name} | {_ms(row)} | {row.get('n')} | {_fmt(row.get('x_adamw'))} |")
+        out.append("")
+    out += _img("fig1_step_time.png", plot_files)
+    effs = fig1.get("ns_efficiency", {})
+    if effs:
+        out += ["**Newton–Schulz FLOP/s against this machine's matmul FLOP/s** (quintic, 5 steps, fp32 — the dtype "
+                "hf_muon uses on CPU). The limit is the time of the very matrix products the kernel executes, "
+                "timed bare (`torch.bmm` into preallocated outputs, same batch, shapes and dtype); the fraction "
+                "is bare time / Newton–Schulz time. \"before\" is the standard iteration the kernel ran before "
+                "this change; \"shipped\" picks Gram iterations for wide matrices, which execute fewer FLOPs "
+                "(the last column counts the standard form's FLOPs over the shipped time).", "",
+                "| set | shape x batch | kernel | method | NS ms | bare matmuls ms | % of machine | executed GFLOP/s | standard-equivalent GFLOP/s |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for set_name, eff in effs.items():
+            for row in eff["per_shape"]:
+                out.append(f"| {set_name} | {row['shape'][0]}x{row['shape'][1]} x{row['batch']} | {row['kernel']} | "
+                           f"{row['method']} | {1e3 * row['ns_s']:.1f} | {1e3 * row['bare_matmul_s']:.1f} | "
+                           f"{100 * row['fraction_of_machine']:.0f}% | {row['achieved_gflops']:.1f} | "
+                           f"{row['standard_equivalent_gflops']:.1f} |")
+            for label, tot in eff["total"].items():
+                out.append(f"| {set_name} | **all** | {label} | | {1e3 * tot['ns_s']:.1f} | {1e3 * tot['bare_matmul_s']:.1f} | "
+                           f"**{100 * tot['fraction_of_machine']:.0f}%** | {tot['achieved_gflops']:.1f} | "
+                           f"{tot['standard_equivalent_gflops']:.1f} |")
+        out.append("")
+        out += _img("fig1_ns_efficiency.png", plot_files)
+    for set_name, ortho in fig1.get("orthogonality", {}).items():
+        out += [f"**Orthogonality error** against the exact polar factor U V^T (SVD in float64) of one Gaussian "
+                f"matrix per distinct shape of {set_name}, weighted by how often the shape occurs. The quintic "
+                "is built to leave singular values in about [0.7, 1.2] (faster, not exact): its error is the "
+                "polynomial's, not the dtype's.", "",
+                "| variant | relative Frobenius error | singular values min–max |", "|---|---|---|"]
+        for name, row in ortho.items():
+            out.append(f"| {name} | {row['relative_error']:.4g} | {row['sigma_min']:.3f}–{row['sigma_max']:.3f} |")
+        out.append("")
+    out += _img("fig1_orthogonality.png", plot_files)
+    return out
+
+
+def _train_md(train: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
+    if not train:
+        return []
+    c = train["config"]
+    m = c["model"]
+    out = ["## 2. End-to-end training throughput (Trainer)", "",
+           f"Llama-style byte-level model (d={m['hidden_size']}, {m['num_layers']} layers, {m['num_heads']} heads, "
+           f"{m['num_kv_heads']} KV heads, MLP {m['intermediate_size']}), sequences of {c['seq_len']}, micro-batch "
+           f"{c['micro_batch']}, **{c['tokens_per_step']} tokens per optimizer step** (gradient accumulation; at "
+           f"W=2 each rank accumulates half as many micro-batches). {c['warmup_steps']} warm-up step(s), then "
+           f"{c['measured_steps']} timed steps; tokens/s is median (min–max) over the timed steps, wall time "
+           "between optimizer-step ends. Same model, seed, data, learning rate and schedule for all. "
+           "DeepSpeed runs: `torchrun --nproc_per_node 2`, `DS_ACCELERATOR=cpu`, gloo, fp32; ZeRO-3 with "
+           "`stage3_param_persistence_threshold: 0` and `reduce_scatter: false` for every contender (DeepSpeed's "
+           "Muon refuses reduce-scatter).", ""]
+    if c.get("env"):
+        out += [f"Environment for these runs: `{c['env']}`.", ""]
+    out += ["| setting | contender | optimizer class | tokens/s, median (min–max) | x AdamW | optimizer step ms |",
+            "|---|---|---|---|---|---|"]
+    for setting, rows in train["settings"].items():
+        for contender, row in rows.items():
+            label = row.get("label") or contender
+            if "failed" in row:
+                out.append(f"| {setting} | {label} | – | failed: {row['failed']} | – | – |")
+                continue
+            out.append(f"| {setting} | {label} | `{row['optimizer_class']}` | {_range(row['tokens_per_s'])} | "
+                       f"{_fmt(row.get('throughput_x_adamw'))} | {_ms(row.get('optimizer_step_s'))} |")
+    out.append("")
+    return out + _img("fig2_throughput.png", plot_files)
+
+
+def _fig3_md(fig3: dict[str, Any] | None, train: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
+    out = ["## 3. Memory", ""]
+    if fig3:
+        s, v = fig3["measured"], fig3["llama_vocab"]
+        spec = fig3["spec"]
+        out += [f"Optimizer state on the Llama-like model (d={spec['d']}, {spec['layers']} layers, GQA "
+                f"{spec['heads']}/{spec['kv_heads']}, SwiGLU), measured after one step:", "",
+                "| model | parameters | AdamW state | hf_muon.Muon state | ratio |", "|---|---|---|---|---|",
+                f"| byte vocabulary ({s['vocab']}), measured | {s['parameters'] / 1e6:.2f}M | {_mib(s['AdamW'])} | "
+                f"{_mib(s['hf_muon.Muon'])} | {s['muon_x_adamw']:.3f} |",
+                f"| Llama vocabulary ({v['vocab']}), {v['how']} | {v['parameters'] / 1e6:.2f}M | {_mib(v['AdamW'])} | "
+                f"{_mib(v['hf_muon.Muon'])} | {v['muon_x_adamw']:.3f} |", ""]
+    single = (train or {}).get("settings", {}).get(SINGLE, {})
+    if single:
+        out += ["Peak resident memory (RSS) of the single-process training runs of figure 2, and the optimizer "
+                "state they held:", "",
+                "| contender | RSS before training | peak RSS | x AdamW | optimizer state |", "|---|---|---|---|---|"]
+        base = single.get("adamw", {}).get("peak_rss_bytes_per_rank", [None])[0]
+        for contender, row in single.items():
+            if "failed" in row:
+                out.append(f"| {row.get('label') or contender} | failed: {row['failed']} | | | |")
+                continue
+            peak = row["peak_rss_bytes_per_rank"][0]
+            out.append(f"| {row['label']} | {_mib(row['rss_before_train_bytes_per_rank'][0])} | {_mib(peak)} | "
+                       f"{_fmt(peak / base if base else None)} | {_mib(row['optimizer_state_bytes_per_rank'][0])} |")
+        if not next(iter(single.values())).get("rss_isolated", True):
+            out.append("\nThese runs shared one process (quick preset): peaks are sampled per run, not isolated.")
+        out.append("")
+    return out + _img("fig3_memory.png", plot_files)
+
+
+def _fig4_md(train: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
+    if not train:
+        return []
+    from .commcount import CATEGORIES
+
+    out = ["## 4. Network: bytes per rank per optimizer step", "",
+           "Every `torch.distributed` collective of the training process is wrapped (DeepSpeed's `deepspeed.comm` "
+           "calls them); a call counts the larger of the buffers it sends or receives on the rank (all-reduce: "
+           "the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: the larger side). "
+           "Mean over the ranks of the median over timed steps. Gradient reduction happens per micro-batch "
+           "where DeepSpeed does it, so it scales with gradient accumulation.", "",
+           "| setting | contender | " + " | ".join(CATEGORIES) + " | total | extra over AdamW |",
+           "|---|---|" + "---|" * (len(CATEGORIES) + 2)]
+    for setting, rows in train["settings"].items():
+        if setting == SINGLE:
+            continue
+        base = _get(rows, "adamw", "collective_bytes_per_rank_per_step", "total")
+        for contender, row in rows.items():
+            label = row.get("label") or contender
+            b = row.get("collective_bytes_per_rank_per_step")
+            if not b:
+                out.append(f"| {setting} | {label} | failed: {row.get('failed')} |" + " |" * (len(CATEGORIES) + 1))
+                continue
+            extra = "–" if base is None else _mib(b["total"] - base)
+            out.append(f"| {setting} | {label} | " + " | ".join(_mib(b["by_category"][cat]) for cat in CATEGORIES)
+                       + f" | {_mib(b['total'])} | {extra} |")
+    out.append("")
+    return out + _img("fig4_network.png", plot_files)
+
+
+def _fig5_md(q: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
+    if not q:
+        return []
+    out = ["## 5. Training quality: learning-rate sweep", ""]
+    if "failed" in q and "grid" not in q:
+        return out + [f"failed: {q['failed']}", ""]
+    c = q["config"]
+    t = c["training"]
+    out += [f"`{c['script']}` on its default corpus (the Python standard library's source), model flags "
+            f"{c.get('model') or 'default'}, data flags {c.get('data') or 'default'}; {t['max_steps']} steps, "
+            f"{t.get('lr_scheduler_type')} schedule, {t.get('warmup_steps')} warm-up steps, eval every "
+            f"{t.get('eval_steps')} steps; the same grid {c['lrs']} and seeds {c['seeds']} for both. "
+            f"{q['completed']} of {q['planned']} runs finished.", ""]
+    if q.get("failed_runs") or q.get("lane_failure"):
+        out += [f"Failed runs: {q.get('failed_runs')}; {q.get('lane_failure') or ''}", ""]
+    out += ["| learning rate | " + " | ".join(f"{name} final eval loss, median (min–max)" for name in q["grid"]) + " |",
+            "|---|" + "---|" * len(q["grid"])]
+    for lr in c["lrs"]:
+        cells = []
+        for rows in q["grid"].values():
+            r = rows.get(f"{lr:g}")
+            cells.append("–" if r is None else _range(r["final_eval_loss"], digits=4))
+        out.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+    out.append("")
+    if "best_lr" in q:
+        out += [f"Best learning rate: AdamW {q['best_lr']['AdamW']:g}, hf_muon.Muon {q['best_lr']['hf_muon.Muon']:g}. "
+                f"Target: AdamW's best median final eval loss, {q['target_loss']:.4f}.", "",
+                "| run | lr | steps to the target, per seed | median | fraction of the run |", "|---|---|---|---|---|"]
+        for label, r in q["reach"].items():
+            per_seed = ", ".join(f"{s}: {'not reached' if v is None else f'{v:.0f}'}" for s, v in r["steps_per_seed"].items())
+            med = "not reached" if r["median_steps"] is None else f"{r['median_steps']:.0f}"
+            frac = "–" if r["fraction_of_run"] is None else f"{r['fraction_of_run']:.2f}"
+            out.append(f"| {label.replace('_', ' ')} | {r['lr']:g} | {per_seed} | {med} | {frac} |")
+        out.append("")
+    return out + _img("fig5_lr_sweep.png", plot_files) + _img("fig5_curves.png", plot_files)

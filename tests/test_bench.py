@@ -1,0 +1,133 @@
+"""``hf-muon bench``: the quick preset produces a well-formed report; its small pieces do what they say.
+
+The quick preset's numbers are not checked (tiny models on a shared CI machine): only that
+results.json, report.md and the PNGs are written and hold what the report promises.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+STATUSES = {"met", "MISSED", "not measured"}
+
+
+def test_importing_hf_muon_and_its_cli_stays_cheap():
+    code = ("import sys, hf_muon, hf_muon.cli, hf_muon.bench, hf_muon.bench.run; "
+            "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'matplotlib', 'transformers')]; "
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_bench_help_lists_the_presets():
+    out = subprocess.run([sys.executable, "-m", "hf_muon.cli", "bench", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "--quick" in out and "--only" in out
+    top = subprocess.run([sys.executable, "-m", "hf_muon.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "bench" in top
+
+
+def test_collective_counter_sizes_calls(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from hf_muon.bench import commcount
+
+    counter = commcount.install()
+    assert commcount.install() is counter  # idempotent
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        counter.reset()
+        dist.all_reduce(torch.ones(10))
+        out = torch.empty(8)
+        dist.all_gather_into_tensor(out, torch.ones(8))
+        dist._all_gather_base(out, torch.ones(8))  # calls all_gather_into_tensor inside: counted once
+        dist.all_to_all_single(torch.empty(6), torch.ones(6))
+        assert counter.bytes == {"all_reduce": 40, "all_gather_into_tensor": 32, "_all_gather_base": 32,
+                                 "all_to_all_single": 24}
+        by = commcount.CommCounter.by_category(counter.bytes)
+        assert by == {"gradient reduction": 40, "parameter gathering": 64, "all-to-all": 24, "other": 0}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_steps_to_reach_and_medians():
+    from hf_muon.bench.common import summarize
+    from hf_muon.bench.quality import median_or_none, steps_to_reach
+
+    curve = [(10, 3.0), (20, 2.0), (30, 1.5)]
+    assert steps_to_reach(curve, 2.5) == pytest.approx(15.0)
+    assert steps_to_reach(curve, 3.5) == 10.0
+    assert steps_to_reach(curve, 1.0) is None
+    assert median_or_none([10.0, None, 30.0]) == 30.0
+    assert median_or_none([10.0, None, None]) is None
+    s = summarize([3.0, 1.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
+
+
+def test_ns_efficiency_counts_the_executed_products():
+    import torch
+
+    from hf_muon.bench.optimizer_step import ns_efficiency
+
+    result = ns_efficiency([(32, 96), (32, 96), (48, 48)], repeats=1)
+    shipped = {tuple(r["shape"]): r for r in result["per_shape"] if r["kernel"] == "shipped"}
+    assert shipped[(32, 96)]["method"] == "gram" and shipped[(32, 96)]["batch"] == 2
+    assert shipped[(48, 48)]["method"] == "standard"
+    assert result["dtype"] == str(torch.float32).replace("torch.", "")
+    for row in result["per_shape"]:
+        assert row["ns_s"] > 0 and row["bare_matmul_s"] > 0 and row["fraction_of_machine"] > 0
+
+
+def test_quick_preset_writes_a_well_formed_report(tmp_path):
+    out = tmp_path / "bench"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "hf_muon.cli", "bench", "--quick", "--output_dir", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["preset"] == "quick"
+    for key in ("command", "started", "elapsed_s", "machine", "sections", "figures", "targets", "files"):
+        assert key in results, key
+    assert set(results["sections"]) == {"fig1", "fig3", "fig2_4", "fig5"}
+    for name, section in results["sections"].items():
+        assert "failed" not in section, (name, section)
+    figures = results["figures"]
+    assert set(figures["fig1"]) >= {"step_time", "ns_efficiency", "orthogonality"}
+    assert "hf_muon.Muon" in figures["fig3"]["measured"]
+    settings = figures["fig2_4"]["settings"]
+    assert set(settings) == {"single process", "ZeRO-2, W=2", "ZeRO-3, W=2"}
+    for rows in settings.values():
+        for row in rows.values():  # a run either has its numbers or says why not
+            assert ("tokens_per_s" in row) != ("failed" in row), row
+    assert "grid" in figures["fig5"]
+
+    targets = results["targets"]
+    assert len(targets) == 8
+    for t in targets:
+        assert t["status"] in STATUSES, t
+        assert t["target"] and t["goal"]
+
+    report = (out / "report.md").read_text()
+    assert report.startswith("# hf_muon benchmark (quick preset)")
+    lines = report.splitlines()
+    header = lines.index("| target | goal | measured | status | detail |")
+    assert lines[header + 1] == "|---|---|---|---|---|"
+    rows = lines[header + 2: header + 2 + len(targets)]
+    assert all(r.startswith("| ") and r.count(" | ") >= 4 for r in rows)
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5."):
+        assert any(line.startswith(heading) for line in lines), heading
+
+    plots = results["files"]["plots"]
+    assert {"fig1_step_time.png", "fig1_ns_efficiency.png", "fig1_orthogonality.png", "fig2_throughput.png",
+            "fig3_memory.png", "fig4_network.png", "fig5_lr_sweep.png", "fig5_curves.png"} <= set(plots)
+    for name in plots:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
+        assert f"]({name})" in report
