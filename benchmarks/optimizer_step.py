@@ -1,46 +1,23 @@
-"""Single-process optimizer step time on a Llama-like set of matrices, ours vs the alternatives.
+"""Figure 1 of ``hf-muon bench`` on its own: optimizer step time, Newton–Schulz FLOP/s against this
+machine's matmul FLOP/s, and orthogonality error against an SVD's polar factor.
 
-    python benchmarks/optimizer_step.py [--d 512 --layers 4 --repeats 7]
+    python benchmarks/optimizer_step.py [--d 512 --layers 4 --heads 8 --kv_heads 2 --repeats 5]
 
-Contenders run in the same process on the same tensors: torch.optim.AdamW (foreach),
-hf_muon.Muon (Newton–Schulz batched by shape; its default dtype policy picks float32 on CPU, and
-bf16 is shown too) and torch.optim.Muon (bf16, one matrix at a time). Reports the median and min–max of ``--repeats`` timed steps after warm-up, and each time as a
-ratio to AdamW's. Timings on a shared machine are noisy: read the ratios.
+Contenders run in this process on the same tensors and gradients: torch.optim.AdamW (foreach),
+hf_muon.Muon (float32 Newton–Schulz on CPU, Gram iterations for wide matrices), the same with the
+kernel before the Gram change, with ns_dtype=bf16, and torch.optim.Muon (bf16, one matrix at a
+time). Timings on a shared machine are noisy: read the ratios. The whole benchmark (all figures,
+report and plots) is ``hf-muon bench``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
 
-import torch
-from torch import nn
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
-from hf_muon import Muon
-
-
-def llama_matrices(d: int, layers: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
-    """Weight shapes (out, in) of a Llama block stack: GQA attention and a SwiGLU MLP."""
-    head_dim = d // heads
-    ffn = 256 * ((8 * d // 3 + 255) // 256)
-    block = [(d, d), (kv_heads * head_dim, d), (kv_heads * head_dim, d), (d, d), (ffn, d), (ffn, d), (d, ffn)]
-    return block * layers
-
-
-def time_steps(make_opt, shapes, repeats: int, warmup: int = 2) -> list[float]:
-    torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-    opt = make_opt(params)
-    times = []
-    for i in range(warmup + repeats):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        start = time.perf_counter()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+from hf_muon.bench import optimizer_step  # noqa: E402
 
 
 def main() -> None:
@@ -49,25 +26,26 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv_heads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget_s", type=float, default=30.0, help="stop repeating a contender after this (>= 2 runs)")
     args = parser.parse_args()
-    shapes = llama_matrices(args.d, args.layers, args.heads, args.kv_heads)
-    n = sum(a * b for a, b in shapes)
-    print(f"{len(shapes)} matrices, {n / 1e6:.2f}M parameters, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
-    contenders = {
-        "torch.optim.AdamW(foreach)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True),
-        "hf_muon.Muon": lambda ps: Muon([{"params": ps, "algorithm": "muon"}], lr=1e-3, weight_decay=0.01),
-        "hf_muon.Muon(ns_dtype=bf16)": lambda ps: Muon([{"params": ps, "algorithm": "muon"}], lr=1e-3,
-                                                       weight_decay=0.01, ns_dtype=torch.bfloat16),
-        "torch.optim.Muon": lambda ps: torch.optim.Muon(ps, lr=1e-3, weight_decay=0.01, adjust_lr_fn="match_rms_adamw"),
-    }
-    results = {name: time_steps(make, shapes, args.repeats) for name, make in contenders.items()}
-    base = statistics.median(results["torch.optim.AdamW(foreach)"])
-    print(f"{'optimizer':<28} {'median ms':>10} {'min-max ms':>16} {'x AdamW':>8}")
-    for name, times in results.items():
-        med = statistics.median(times)
-        print(f"{name:<28} {1e3 * med:>10.1f} {1e3 * min(times):>7.1f}-{1e3 * max(times):<8.1f} {med / base:>8.2f}")
+    spec = {"d": args.d, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads}
+    cfg = {"sets": {"set": spec}, "repeats": args.repeats, "min_repeats": 2, "budget_s": args.budget_s,
+           "max_step_s": float("inf"), "ns_repeats": args.repeats}
+    result = optimizer_step.run(cfg)
+    data = result["step_time"]["set"]
+    print(f"\n{data['matrices']} matrices, {data['parameters'] / 1e6:.2f}M parameters, "
+          f"{result['torch_threads']} threads")
+    print(f"{'optimizer':<56} {'median ms':>10} {'min-max ms':>18} {'x AdamW':>8}")
+    for name, row in data["contenders"].items():
+        print(f"{name:<56} {1e3 * row['median']:>10.1f} {1e3 * row['min']:>8.1f}-{1e3 * row['max']:<9.1f} "
+              f"{row['x_adamw']:>8.2f}")
+    eff = result["ns_efficiency"]["set"]["total"]
+    for label, tot in eff.items():
+        print(f"Newton–Schulz ({label} kernel): {1e3 * tot['ns_s']:.0f} ms, "
+              f"{100 * tot['fraction_of_machine']:.0f}% of bare-matmul FLOP/s for the same products")
+    for name, row in result["orthogonality"]["set"].items():
+        print(f"{name:<64} error {row['relative_error']:.4g}")
 
 
 if __name__ == "__main__":
