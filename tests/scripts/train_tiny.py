@@ -95,6 +95,8 @@ def main() -> None:
             optimizer=f"{type(optimizer).__module__}.{type(optimizer).__name__}",
             ns_tensors=None if stats is None else stats.tensors_orthogonalized,
             groups=[(g["algorithm"], g.get("param_names")) for g in optimizer.param_groups if "algorithm" in g],
+            # ZeRO-3: parameters kept gathered between uses (below stage3_param_persistence_threshold)
+            persistent=[n for n, p in trainer.model.named_parameters() if getattr(p, "ds_persist", False)],
             train_losses=losses, eval_loss_after=after, global_step=trainer.state.global_step,
         )
         with open(f"{script.report}.rank{args.process_index}.json", "w") as f:
