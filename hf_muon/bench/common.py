@@ -14,6 +14,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 
+# Figure 1's contenders (names as the report prints them)
+ADAMW = "torch.optim.AdamW (foreach)"
+HF_MUON = "hf_muon.Muon"
+HF_MUON_BEFORE = "hf_muon.Muon, NS kernel before (standard iterations)"
+HF_MUON_BF16 = "hf_muon.Muon (ns_dtype=bf16)"
+TORCH_MUON = "torch.optim.Muon (bf16, per matrix)"
+CONTENDERS = (ADAMW, HF_MUON, HF_MUON_BEFORE, HF_MUON_BF16, TORCH_MUON)
+
+
 def summarize(samples: Sequence[float]) -> dict[str, Any]:
     """Median and min–max of repeated measurements (the samples are kept too)."""
     values = [float(s) for s in samples]

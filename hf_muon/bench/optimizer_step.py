@@ -20,14 +20,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .common import llama_matrices, progress, summarize
+from .common import (ADAMW, CONTENDERS, HF_MUON, HF_MUON_BEFORE, HF_MUON_BF16, TORCH_MUON, llama_matrices,
+                     progress, summarize)
 
-ADAMW = "torch.optim.AdamW (foreach)"
-HF_MUON = "hf_muon.Muon"
-HF_MUON_BEFORE = "hf_muon.Muon, NS kernel before (standard iterations)"
-HF_MUON_BF16 = "hf_muon.Muon (ns_dtype=bf16)"
-TORCH_MUON = "torch.optim.Muon (bf16, per matrix)"
-CONTENDERS = (ADAMW, HF_MUON, HF_MUON_BEFORE, HF_MUON_BF16, TORCH_MUON)
 NS_STEPS = 5
 
 
@@ -75,27 +70,29 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.O
 
 
 def time_steps(name: str, shapes: list[tuple[int, int]], repeats: int, min_repeats: int, budget_s: float,
-               warmup: int = 1) -> dict[str, Any]:
-    """Median/min–max of timed ``step()`` calls after ``warmup`` untimed ones. Stops early (but after at
-    least ``min_repeats``) once the timed steps have used ``budget_s``; the same rule for everyone."""
+               warmup_cutoff_s: float = 5.0) -> dict[str, Any]:
+    """Median/min–max of timed ``step()`` calls. The first step is a warm-up (untimed) unless it took
+    longer than ``warmup_cutoff_s``: one-time costs (state allocation, first-call setup) are well under
+    a second here, so they cannot move such a step, and it counts. Stops early (after at least
+    ``min_repeats``) once the timed steps have used ``budget_s``. The same rule for every contender."""
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
     opt, context = make_optimizer(name, params)
     times: list[float] = []
-    warm = []
+    warm: list[float] = []
     with context:
-        for i in range(warmup + repeats):
+        for i in range(1 + repeats):
             for p, g in zip(params, grads):
                 p.grad = g
             start = time.perf_counter()
             opt.step()
             elapsed = time.perf_counter() - start
-            if i < warmup:
+            if i == 0 and elapsed <= warmup_cutoff_s:
                 warm.append(elapsed)
                 continue
             times.append(elapsed)
-            if len(times) >= min_repeats and sum(times) > budget_s:
+            if len(times) >= repeats or (len(times) >= min_repeats and sum(times) > budget_s):
                 break
     return {**summarize(times), "warmup_s": warm}
 
@@ -106,12 +103,13 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
     there, with the estimate as the reason."""
     out: dict[str, Any] = {}
     previous: dict[str, tuple[float, int]] = {}
-    bar = progress(len(sets) * len(CONTENDERS), "fig 1: optimizer step", "contender")
+    contenders = cfg.get("contenders", CONTENDERS)
+    bar = progress(len(sets) * len(contenders), "fig 1: optimizer step", "contender")
     for set_name, spec in sets.items():
         shapes = shape_set(spec)
         flops = standard_ns_flops(shapes)
         rows: dict[str, Any] = {}
-        for name in CONTENDERS:
+        for name in contenders:
             bar.set_postfix_str(f"{set_name}: {name}")
             if name != ADAMW and name in previous:
                 seconds, prev_flops = previous[name]
@@ -134,48 +132,49 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
     return out
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, min_seconds: float = 0.02) -> float:
-    """Median over ``repeats`` of the mean time of ``fn``, each sample looping until ``min_seconds``."""
-    fn()
-    samples = []
+def _interleaved_medians(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
+    """Median time of each of ``fns``, timed in alternation (a, b, a, b, ...) after one untimed call
+    each, so that a burst of load from elsewhere on a shared machine hits them alike."""
+    for fn in fns:
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        n, start = 0, time.perf_counter()
-        while True:
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter()
             fn()
-            n += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                break
-        samples.append(elapsed / n)
-    samples.sort()
-    return samples[len(samples) // 2]
+            out.append(time.perf_counter() - start)
+    return [sorted(s)[len(s) // 2] for s in samples]
 
 
 def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Newton–Schulz time per distinct shape (batched as hf_muon.Muon batches it) against the time of
-    the bare matrix products it executes: ``fraction = bare matmul time / NS time``, i.e. achieved
-    FLOP/s over the machine's matmul FLOP/s for the same shapes and dtype."""
+    the bare matrix products it executes, in the same order (``torch.bmm`` into preallocated
+    outputs, same batch, shapes and dtype), timed in alternation with it:
+    ``fraction = bare time / NS time`` = achieved FLOP/s over the machine's matmul FLOP/s."""
     from ..kernels.newton_schulz import ns_flops, ns_matmuls, orthogonalize, resolve_method
 
     gen = torch.Generator().manual_seed(1)
     rows = []
-    bare_cache: dict[tuple[int, int, int, int], float] = {}
-
-    def bare(b: int, m: int, k: int, n: int) -> float:
-        key = (b, m, k, n)
-        if key not in bare_cache:
-            x = torch.randn(b, m, k, generator=gen, dtype=dtype)
-            y = torch.randn(b, k, n, generator=gen, dtype=dtype)
-            out = torch.empty(b, m, n, dtype=dtype)
-            bare_cache[key] = _median_time(lambda: torch.bmm(x, y, out=out), repeats)
-        return bare_cache[key]
-
     for (r, c), count in Counter(shapes).items():
         batch = torch.randn(count, r, c, generator=gen)
         for label, method in (("shipped", resolve_method(r, c, NS_STEPS, dtype)), ("before", "standard")):
-            ns_time = _median_time(lambda: orthogonalize(batch, NS_STEPS, "quintic", dtype, method=method), repeats)
-            products = Counter(ns_matmuls(r, c, NS_STEPS, method))
-            bare_time = sum(k * bare(count, *mkn) for mkn, k in products.items())
+            if label == "before" and method == rows[-1]["method"]:  # the same code path: measured once
+                rows.append({**rows[-1], "kernel": label})
+                continue
+            products = ns_matmuls(r, c, NS_STEPS, method)
+            buffers = {mkn: (torch.randn(count, mkn[0], mkn[1], generator=gen, dtype=dtype),
+                             torch.randn(count, mkn[1], mkn[2], generator=gen, dtype=dtype),
+                             torch.empty(count, mkn[0], mkn[2], dtype=dtype)) for mkn in set(products)}
+
+            def bare() -> None:
+                for mkn in products:
+                    x, y, out = buffers[mkn]
+                    torch.bmm(x, y, out=out)
+
+            def ns() -> None:
+                orthogonalize(batch, NS_STEPS, "quintic", dtype, method=method)
+
+            ns_time, bare_time = _interleaved_medians([ns, bare], repeats)
             executed = count * ns_flops(r, c, NS_STEPS, method)
             standard = count * ns_flops(r, c, NS_STEPS, "standard")
             rows.append({
@@ -241,19 +240,21 @@ def orthogonality(shapes: list[tuple[int, int]]) -> dict[str, Any]:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Figure 1 with the preset's ``cfg`` (``sets``, ``repeats``, ``min_repeats``, ``budget_s``,
-    ``max_step_s``, ``ns_repeats``)."""
+    """Figure 1 with the preset's ``cfg``: ``sets`` (name -> d, layers, heads, kv_heads; the first is the
+    Llama-like set the targets read), ``contenders``, ``repeats``, ``min_repeats``, ``budget_s``,
+    ``max_step_s``, ``ns_sets`` (sets whose Newton–Schulz FLOP/s is measured), ``ns_repeats``."""
     sets = cfg["sets"]
     result: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
     result["step_time"] = step_times(sets, cfg)
     result["ns_efficiency"] = {}
     result["orthogonality"] = {}
-    bar = progress(2 * len(sets), "fig 1: NS FLOP/s and orthogonality", "part")
-    for set_name, spec in sets.items():
-        result["ns_efficiency"][set_name] = ns_efficiency(shape_set(spec), cfg["ns_repeats"])
+    ns_sets = cfg.get("ns_sets", list(sets))
+    bar = progress(len(ns_sets) + 1, "fig 1: NS FLOP/s and orthogonality", "part")
+    for set_name in ns_sets:
+        result["ns_efficiency"][set_name] = ns_efficiency(shape_set(sets[set_name]), cfg["ns_repeats"])
         bar.update()
-        if set_name == next(iter(sets)) or cfg.get("orthogonality_all_sets"):
-            result["orthogonality"][set_name] = orthogonality(shape_set(spec))
-        bar.update()
+    first = next(iter(sets))
+    result["orthogonality"][first] = orthogonality(shape_set(sets[first]))
+    bar.update()
     bar.close()
     return result
