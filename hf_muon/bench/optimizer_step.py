@@ -115,8 +115,8 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
                 seconds, prev_flops = previous[name]
                 estimate = seconds * flops / prev_flops
                 if estimate > cfg["max_step_s"]:
-                    rows[name] = {"skipped": f"estimated {estimate:.0f} s per step from the previous set "
-                                             f"(over the {cfg['max_step_s']:.0f} s per-step cap of this preset)"}
+                    rows[name] = {"skipped": f"estimated {estimate:.3g} s per step from the previous set "
+                                             f"(over the {cfg['max_step_s']:.3g} s per-step cap of this preset)"}
                     bar.update()
                     continue
             rows[name] = time_steps(name, shapes, cfg["repeats"], cfg["min_repeats"], cfg["budget_s"])
