@@ -108,6 +108,7 @@ def test_quick_preset_writes_a_well_formed_report(tmp_path):
         for row in rows.values():  # a run either has its numbers or says why not
             assert ("tokens_per_s" in row) != ("failed" in row), row
     assert "grid" in figures["fig5"]
+    assert set(figures["fig4"]) == {"ZeRO-2, W=2", "ZeRO-3, W=2"}
 
     targets = results["targets"]
     assert len(targets) == 8

@@ -125,22 +125,19 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add("optimizer state", goal, None, NOT_MEASURED, _get(results, "sections", "fig3", "failed") or "not run")
 
     # 6. traffic under ZeRO-3
-    z3 = train.get(ZERO3, {})
+    z3 = _get(figs, "fig4", ZERO3)
     goal = "extra traffic over AdamW <= 0.25 x the extra traffic of DeepSpeed's Muon (ZeRO-3, W=2)"
-    rows3 = {k: v for k, v in z3.items() if "collective_bytes_per_rank_per_step" in v}
-    if all(k in rows3 for k in ("adamw", "hf_muon", "ds_muon")):
-        base = rows3["adamw"]["collective_bytes_per_rank_per_step"]["total"]
-        ours = rows3["hf_muon"]["collective_bytes_per_rank_per_step"]["total"] - base
-        theirs = rows3["ds_muon"]["collective_bytes_per_rank_per_step"]["total"] - base
-        if theirs > 0:
-            add("extra traffic, ZeRO-3 W=2", goal, f"{ours / theirs:.3f} x", _status(ours / theirs <= 0.25),
-                f"+{_mib(ours)} vs +{_mib(theirs)} per rank per step over AdamW's {_mib(base)}")
-        else:
-            add("extra traffic, ZeRO-3 W=2", goal, None, NOT_MEASURED,
-                f"DeepSpeed's Muon moved no more than AdamW ({_mib(theirs)} extra): ratio undefined")
+    if z3 and z3["muon_extra_x_ds_muon_extra"] is not None:
+        ratio = z3["muon_extra_x_ds_muon_extra"]
+        ours, theirs = z3["rows"]["hf_muon"]["extra_over_adamw"], z3["rows"]["ds_muon"]["extra_over_adamw"]
+        add("extra traffic, ZeRO-3 W=2", goal, f"{ratio:.3f} x", _status(ratio <= 0.25),
+            f"+{_mib(ours)} vs +{_mib(theirs)} per rank per step over AdamW's {_mib(z3['adamw_total'])}")
     else:
-        why = "; ".join(f"{k}: {v.get('failed')}" for k, v in z3.items() if "failed" in v) or "not run"
-        add("extra traffic, ZeRO-3 W=2", goal, None, NOT_MEASURED, f"failed: {why}")
+        rows3 = (z3 or {}).get("rows", {})
+        why = "; ".join(f"{r['label']}: {r['failed']}" for r in rows3.values() if "failed" in r)
+        if not why and rows3:
+            why = "DeepSpeed's Muon moved no more than AdamW: ratio undefined"
+        add("extra traffic, ZeRO-3 W=2", goal, None, NOT_MEASURED, why or "not run")
 
     # 7. quality
     q = figs.get("fig5", {})
@@ -262,7 +259,8 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
             a2.legend(fontsize=7)
         save(fig, "fig3_memory.png")
 
-    zero_rows = [(s, c, r) for s, rows in train.items() if s != SINGLE for c, r in rows.items()]
+    net = figs.get("fig4") or {}
+    zero_rows = [(s, c, r) for s, data in net.items() for c, r in data["rows"].items()]
     if zero_rows:
         from .commcount import CATEGORIES
 
@@ -270,12 +268,12 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         xs = range(len(zero_rows))
         bottom = [0.0] * len(zero_rows)
         for cat in CATEGORIES:
-            vals = [(_get(r, "collective_bytes_per_rank_per_step", "by_category", cat) or 0) / 2**20 for _, _, r in zero_rows]
+            vals = [(_get(r, "by_category", cat) or 0) / 2**20 for _, _, r in zero_rows]
             ax.bar(xs, vals, bottom=bottom, label=cat)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{s}\n{r.get('label') or c}" + ("\n(failed)" if "failed" in r else "")
-                            for s, c, r in zero_rows], rotation=30, ha="right", fontsize=7)
+        ax.set_xticklabels([f"{s}\n{r['label']}" + ("\n(failed)" if "failed" in r else "") for s, c, r in zero_rows],
+                           rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("MiB per rank per optimizer step")
         ax.set_title("bytes passed to collectives", fontsize=9)
         ax.legend(fontsize=7)
@@ -348,7 +346,7 @@ def markdown(results: dict[str, Any], plot_files: list[str]) -> str:
     lines += _fig1_md(figs.get("fig1"), plot_files)
     lines += _train_md(figs.get("fig2_4"), plot_files)
     lines += _fig3_md(figs.get("fig3"), figs.get("fig2_4"), plot_files)
-    lines += _fig4_md(figs.get("fig2_4"), plot_files)
+    lines += _fig4_md(figs.get("fig4"), plot_files)
     lines += _fig5_md(figs.get("fig5"), plot_files)
     timing = results.get("sections", {})
     lines += ["## Sections", "", "| section | seconds | load average before | after |", "|---|---|---|---|"]
@@ -442,8 +440,10 @@ def _train_md(train: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
             if "failed" in row:
                 out.append(f"| {setting} | {label} | – | failed: {row['failed']} | – | – |")
                 continue
+            # under DeepSpeed the step runs inside the engine's backward: Trainer's optimizer.step() is a no-op
+            step = "– (inside DeepSpeed)" if row.get("zero_stage") else _ms(row.get("optimizer_step_s"))
             out.append(f"| {setting} | {label} | `{row['optimizer_class']}` | {_range(row['tokens_per_s'])} | "
-                       f"{_fmt(row.get('throughput_x_adamw'))} | {_ms(row.get('optimizer_step_s'))} |")
+                       f"{_fmt(row.get('throughput_x_adamw'))} | {step} |")
     out.append("")
     return out + _img("fig2_throughput.png", plot_files)
 
@@ -479,8 +479,8 @@ def _fig3_md(fig3: dict[str, Any] | None, train: dict[str, Any] | None, plot_fil
     return out + _img("fig3_memory.png", plot_files)
 
 
-def _fig4_md(train: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
-    if not train:
+def _fig4_md(net: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
+    if not net:
         return []
     from .commcount import CATEGORIES
 
@@ -488,23 +488,24 @@ def _fig4_md(train: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
            "Every `torch.distributed` collective of the training process is wrapped (DeepSpeed's `deepspeed.comm` "
            "calls them); a call counts the larger of the buffers it sends or receives on the rank (all-reduce: "
            "the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: the larger side). "
-           "Mean over the ranks of the median over timed steps. Gradient reduction happens per micro-batch "
-           "where DeepSpeed does it, so it scales with gradient accumulation.", "",
-           "| setting | contender | " + " | ".join(CATEGORIES) + " | total | extra over AdamW |",
-           "|---|---|" + "---|" * (len(CATEGORIES) + 2)]
-    for setting, rows in train["settings"].items():
-        if setting == SINGLE:
-            continue
-        base = _get(rows, "adamw", "collective_bytes_per_rank_per_step", "total")
-        for contender, row in rows.items():
-            label = row.get("label") or contender
-            b = row.get("collective_bytes_per_rank_per_step")
-            if not b:
-                out.append(f"| {setting} | {label} | failed: {row.get('failed')} |" + " |" * (len(CATEGORIES) + 1))
+           "Mean over the ranks of the median over timed steps, in the figure 2 runs. Where DeepSpeed reduces "
+           "gradients (and ZeRO-3 gathers parameters) per micro-batch, that part scales with gradient "
+           "accumulation; the extra over AdamW does not.", "",
+           "| setting | contender | " + " | ".join(CATEGORIES) + " | total | x fp32 parameter bytes | extra over AdamW |",
+           "|---|---|" + "---|" * (len(CATEGORIES) + 3)]
+    for setting, data in net.items():
+        for contender, row in data["rows"].items():
+            if "failed" in row:
+                out.append(f"| {setting} | {row['label']} | failed: {row['failed']} |" + " |" * (len(CATEGORIES) + 2))
                 continue
-            extra = "–" if base is None else _mib(b["total"] - base)
-            out.append(f"| {setting} | {label} | " + " | ".join(_mib(b["by_category"][cat]) for cat in CATEGORIES)
-                       + f" | {_mib(b['total'])} | {extra} |")
+            extra = "–" if row["extra_over_adamw"] is None else _mib(row["extra_over_adamw"])
+            out.append(f"| {setting} | {row['label']} | " + " | ".join(_mib(row["by_category"][c]) for c in CATEGORIES)
+                       + f" | {_mib(row['total'])} | {_fmt(row['x_parameter_bytes'])} | {extra} |")
+    out.append("")
+    for setting, data in net.items():
+        ratio = data["muon_extra_x_ds_muon_extra"]
+        if ratio is not None:
+            out.append(f"{setting}: hf_muon.Muon's extra traffic is {ratio:.3f} x DeepSpeed's Muon's.  ")
     out.append("")
     return out + _img("fig4_network.png", plot_files)
 

@@ -3,6 +3,7 @@
     hf-muon bench --quick                 # under 3 minutes on 2 CPU cores: checks the pipeline, judges nothing
     hf-muon bench                         # the full preset (under 30 minutes on 2 quiet CPU cores)
     hf-muon bench --only fig1,fig3        # some figures only (fig1, fig2_4, fig3, fig5)
+    hf-muon bench --from_results runs/bench/results.json   # rebuild report.md and PNGs, measure nothing
 
 Run it from the repository root: figure 5 trains ``examples/pretrain_clm.py`` (``--examples_dir``
 elsewhere). Figures 2 and 4 start ``torchrun`` with DeepSpeed on the CPU (``DS_ACCELERATOR=cpu``).
@@ -85,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
     parser.add_argument("--examples_dir", type=Path, default=Path("examples"),
                         help="folder holding pretrain_clm.py (figure 5)")
+    parser.add_argument("--from_results", type=Path, default=None,
+                        help="measure nothing: rebuild report.md and the PNGs from this results.json (into its folder)")
 
 
 def _section(name: str, fn, results: dict[str, Any]) -> None:
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(only) - set(FIGURES))
     if unknown:
         raise SystemExit(f"hf-muon bench: unknown figure(s) {unknown}; choose from {FIGURES}")
+    if args.from_results is not None:
+        return write_report(json.loads(args.from_results.read_text()), args.from_results.parent)
     preset_name = "quick" if args.quick else "full"
     preset = copy.deepcopy(QUICK if args.quick else FULL)
     out_dir = args.output_dir or Path("runs/bench_quick" if args.quick else "runs/bench")
@@ -154,16 +159,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _section("fig5", lambda: quality.run(preset["fig5"], out_dir / "quality_runs"), results)
         save()
 
-    from . import report
-
     results["loadavg_at_end"] = loadavg()
-    results["targets"] = report.targets(results)
     results["elapsed_s"] = time.perf_counter() - started
+    return write_report(results, out_dir)
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Targets, PNGs, ``report.md`` and the final ``results.json`` from the measurements in ``results``."""
+    from . import network, report
+
+    if "fig2_4" in results.get("figures", {}):
+        results["figures"]["fig4"] = network.summary(results["figures"]["fig2_4"])
+    results["targets"] = report.targets(results)
     plot_files = report.plots(results, out_dir)
     results["files"] = {"results": "results.json", "report": "report.md", "plots": plot_files}
-    save()
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out_dir / "report.md").write_text(report.markdown(results, plot_files))
-    print(f"\nhf-muon bench ({preset_name}) took {results['elapsed_s']:.0f} s; report: {out_dir / 'report.md'}")
+    print(f"\nhf-muon bench ({results['preset']}) took {results['elapsed_s']:.0f} s; report: {out_dir / 'report.md'}")
     for t in results["targets"]:
         print(f"  [{t['status']:>12}] {t['target']}: {t['measured']}")
     return results

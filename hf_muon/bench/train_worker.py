@@ -295,7 +295,8 @@ def train_one(contender: str, stage: int | None, spec: dict[str, Any], dataset: 
         "steps": steps, "measured_steps": measured,
         "optimizer_step_s": records["optimizer_step_s"][spec["warmup_steps"]:],
         "optimizer_state_bytes": optimizer_state_bytes(opt),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        # ZeRO-3 leaves each rank an empty placeholder: the whole count is in ds_numel
+        "parameters": sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters()),
         "rss_before_train_bytes": rss_before, "peak_rss_sampled_bytes": sampler.peak,
         "peak_rss_process_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "exchange_bytes_sent": getattr(exchange, "bytes_sent", None),
