@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -55,30 +56,41 @@ def start(cmd: list[str], log) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Stop a launcher and everything it started: SIGTERM to its process group, then SIGKILL."""
-    if proc.poll() is not None:
-        return
+    """Stop a launcher and everything it started: SIGTERM to its process group, then SIGKILL.
+    After a normal exit this only removes workers a launcher may have left behind."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)  # launchers forward it to their workers
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # launchers forward it to their workers
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     except ProcessLookupError:
-        proc.wait()
+        pass  # the group is gone: nothing left to stop
+    proc.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> bool:
+    """Wait until every process exited; stop early when one fails. False if the time ran out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def run(cmd: list[str], timeout: int = LAUNCH_TIMEOUT) -> tuple[int, str]:
     """``(returncode, output)`` of a launch; a hang is stopped after ``timeout`` seconds and fails."""
     with tempfile.TemporaryFile("w+") as log:
         proc = start(cmd, log)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            log.seek(0)
-            pytest.fail(f"hung for {timeout}s and was stopped: {' '.join(cmd)}\n{log.read()[-4000:]}")
+        finished = wait_all([proc], timeout)
+        stop(proc)
         log.seek(0)
+        if not finished:
+            pytest.fail(f"hung for {timeout}s and was stopped: {' '.join(cmd)}\n{log.read()[-4000:]}")
         return proc.returncode, log.read()
 
 
@@ -368,7 +380,7 @@ def check_zero3_persistence(r: dict) -> None:
 def test_two_machines_on_loopback_finish_with_identical_parameters(tmp_path):
     # one `accelerate launch` per simulated machine, 1 rank each, meeting at 127.0.0.1:port
     port, prefix = str(free_port()), str(tmp_path / "run")
-    logs, procs, outs = [], [], []
+    logs, procs, outs, finished = [], [], [], False
     try:
         for rank in (0, 1):
             cmd = [*ACCELERATE, "--config_file", os.path.join(ACC_CONFIGS, "deepspeed_zero2_two_machines.yaml"),
@@ -378,11 +390,7 @@ def test_two_machines_on_loopback_finish_with_identical_parameters(tmp_path):
                    "--max_steps", "4", "--save_strategy", "no", "--dump_params", prefix, "--report", prefix, *TRAIN]
             logs.append(tempfile.TemporaryFile("w+"))
             procs.append(start(cmd, logs[-1]))
-        for proc in procs:
-            try:
-                proc.wait(timeout=LAUNCH_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                break  # the finally clause stops both
+        finished = wait_all(procs, LAUNCH_TIMEOUT)  # one machine failing stops the other at once
     finally:
         for proc in procs:
             stop(proc)
@@ -390,8 +398,9 @@ def test_two_machines_on_loopback_finish_with_identical_parameters(tmp_path):
             log.seek(0)
             outs.append(log.read())
             log.close()
+    assert finished, f"hung for {LAUNCH_TIMEOUT}s and was stopped:\n{outs[0][-3000:]}\n{outs[1][-3000:]}"
     for rank, (proc, out) in enumerate(zip(procs, outs)):
-        assert proc.returncode == 0, f"machine {rank} failed or hung ({proc.returncode}):\n{out[-4000:]}"
+        assert proc.returncode == 0, f"machine {rank} failed ({proc.returncode}):\n{out[-4000:]}"
     for r in check_run(prefix, 4, "deepspeed"):
         assert train_loss_fell(r)
     rank0, rank1 = load(prefix)

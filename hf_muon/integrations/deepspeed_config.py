@@ -141,11 +141,9 @@ def register_with_deepspeed(deepspeed_module: ModuleType | None = None) -> None:
     Puts :class:`HfMuon` on ``torch.optim`` (DeepSpeed's lookup for types it does not know), adds it
     and :class:`hf_muon.Muon` to ``ZERO_SUPPORTED_OPTIMIZERS`` (so ZeRO needs no
     ``zero_allow_untested_optimizer``), and lets the engine hand :class:`HfMuon` its model.
+    ``deepspeed_module`` is what the import hook passes (the package just imported); it is not needed.
     """
     import torch.optim
-
-    if deepspeed_module is None:
-        import deepspeed as deepspeed_module  # noqa: F811
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import utils as zero_utils
 
