@@ -136,6 +136,7 @@ def check_run(prefix: str, steps: int, engine: str, optimizer: str = "hf_muon.op
         assert r["optimizer"] == optimizer, r
         assert r["global_step"] == steps and len(r["train_losses"]) == steps, r
         assert all(math.isfinite(x) for x in r["train_losses"]) and math.isfinite(r["eval_loss_after"]), r
+    assert ranks[0]["first_batch"] != ranks[1]["first_batch"], "both ranks read the same data"
     expected = MUON_TENSORS * (steps if ns_steps is None else ns_steps)
     assert sum(r["ns_tensors"] for r in ranks) == expected, ranks
     return ranks

@@ -87,6 +87,8 @@ def main() -> None:
         print(f"TRAIN_LOSS_FIRST={losses[0]:.4f} TRAIN_LOSS_LAST={losses[-1]:.4f}")
     print(f"EVAL_LOSS_BEFORE={before:.4f} EVAL_LOSS_AFTER={after:.4f}")
     if script.report:
+        # each rank must get its own shard of the data (a rank that believes it is alone reads them all)
+        first_batch = next(iter(trainer.get_train_dataloader()))["input_ids"]
         report = dict(
             num_processes=trainer.accelerator.num_processes, world_size=args.world_size,
             distributed_type=str(trainer.accelerator.distributed_type), built_partitioned=built_partitioned,
@@ -97,6 +99,7 @@ def main() -> None:
             groups=[(g["algorithm"], g.get("param_names")) for g in optimizer.param_groups if "algorithm" in g],
             # ZeRO-3: parameters kept gathered between uses (below stage3_param_persistence_threshold)
             persistent=[n for n, p in trainer.model.named_parameters() if getattr(p, "ds_persist", False)],
+            first_batch=first_batch[:, :8].tolist(),
             train_losses=losses, eval_loss_after=after, global_step=trainer.state.global_step,
         )
         with open(f"{script.report}.rank{args.process_index}.json", "w") as f:
