@@ -50,51 +50,65 @@ def ns_method(method: str):
         muon_module.orthogonalize = original
 
 
-def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:
-    """The contender ``name`` on ``params`` (all hidden matrices) and a context its steps run in."""
+def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.Optimizer, Callable[[], Any]]:
+    """The contender ``name`` on ``params`` (all hidden matrices) and a factory of the context each of
+    its steps runs in."""
     from ..optimizer.muon import Muon
 
     lr, wd = 1e-3, 0.01
     if name == ADAMW:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=True), contextlib.nullcontext()
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=True), contextlib.nullcontext
     if name == TORCH_MUON:
-        return torch.optim.Muon(params, lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw"), contextlib.nullcontext()
+        return torch.optim.Muon(params, lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw"), contextlib.nullcontext
     group = [{"params": params, "algorithm": "muon"}]
     if name == HF_MUON:
-        return Muon(group, lr=lr, weight_decay=wd), contextlib.nullcontext()
+        return Muon(group, lr=lr, weight_decay=wd), contextlib.nullcontext
     if name == HF_MUON_BEFORE:
-        return Muon(group, lr=lr, weight_decay=wd), ns_method("standard")
+        return Muon(group, lr=lr, weight_decay=wd), functools.partial(ns_method, "standard")
     if name == HF_MUON_BF16:
-        return Muon(group, lr=lr, weight_decay=wd, ns_dtype=torch.bfloat16), contextlib.nullcontext()
+        return Muon(group, lr=lr, weight_decay=wd, ns_dtype=torch.bfloat16), contextlib.nullcontext
     raise ValueError(name)
 
 
-def time_steps(name: str, shapes: list[tuple[int, int]], repeats: int, min_repeats: int, budget_s: float,
-               warmup_cutoff_s: float = 5.0) -> dict[str, Any]:
-    """Median/min–max of timed ``step()`` calls. The first step is a warm-up (untimed) unless it took
-    longer than ``warmup_cutoff_s``: one-time costs (state allocation, first-call setup) are well under
-    a second here, so they cannot move such a step, and it counts. Stops early (after at least
-    ``min_repeats``) once the timed steps have used ``budget_s``. The same rule for every contender."""
+def time_steps(names: list[str], shapes: list[tuple[int, int]], repeats: int, min_repeats: int, budget_s: float,
+               warmup_cutoff_s: float = 5.0, bar=None) -> dict[str, dict[str, Any]]:
+    """Median/min–max of timed ``step()`` calls of each contender in ``names``, timed in rounds (one
+    step of each contender per round) so that load from elsewhere on a shared machine hits them
+    alike. Every contender gets its own copy of the same parameters and the same gradients.
+
+    Per contender, the same rules: its first step is a warm-up (untimed) unless it took longer than
+    ``warmup_cutoff_s`` (one-time costs, state allocation and first-call setup, are well under a
+    second here, so they cannot move such a step, and it counts); it leaves the rounds after
+    ``repeats`` timed steps, or after ``min_repeats`` once its timed steps have used ``budget_s``."""
     gen = torch.Generator().manual_seed(0)
-    params = [nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
+    init = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
-    opt, context = make_optimizer(name, params)
-    times: list[float] = []
-    warm: list[float] = []
-    with context:
-        for i in range(1 + repeats):
-            for p, g in zip(params, grads):
+    state: dict[str, dict[str, Any]] = {}
+    for name in names:
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt, context = make_optimizer(name, params)
+        state[name] = {"params": params, "opt": opt, "context": context, "times": [], "warm": [], "first": True}
+    active = list(names)
+    while active:
+        for name in list(active):
+            st = state[name]
+            for p, g in zip(st["params"], grads):
                 p.grad = g
-            start = time.perf_counter()
-            opt.step()
-            elapsed = time.perf_counter() - start
-            if i == 0 and elapsed <= warmup_cutoff_s:
-                warm.append(elapsed)
+            with st["context"]():
+                start = time.perf_counter()
+                st["opt"].step()
+                elapsed = time.perf_counter() - start
+            first, st["first"] = st["first"], False
+            if first and elapsed <= warmup_cutoff_s:
+                st["warm"].append(elapsed)
                 continue
-            times.append(elapsed)
-            if len(times) >= repeats or (len(times) >= min_repeats and sum(times) > budget_s):
-                break
-    return {**summarize(times), "warmup_s": warm}
+            st["times"].append(elapsed)
+            n = len(st["times"])
+            if n >= repeats or (n >= min_repeats and sum(st["times"]) > budget_s):
+                active.remove(name)
+                if bar is not None:
+                    bar.update()
+    return {name: {**summarize(state[name]["times"]), "warmup_s": state[name]["warm"]} for name in names}
 
 
 def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -106,11 +120,12 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
     contenders = cfg.get("contenders", CONTENDERS)
     bar = progress(len(sets) * len(contenders), "fig 1: optimizer step", "contender")
     for set_name, spec in sets.items():
+        bar.set_postfix_str(set_name)
         shapes = shape_set(spec)
         flops = standard_ns_flops(shapes)
         rows: dict[str, Any] = {}
+        timed = []
         for name in contenders:
-            bar.set_postfix_str(f"{set_name}: {name}")
             if name != ADAMW and name in previous:
                 seconds, prev_flops = previous[name]
                 estimate = seconds * flops / prev_flops
@@ -119,9 +134,12 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
                                              f"(over the {cfg['max_step_s']:.3g} s per-step cap of this preset)"}
                     bar.update()
                     continue
-            rows[name] = time_steps(name, shapes, cfg["repeats"], cfg["min_repeats"], cfg["budget_s"])
-            previous[name] = (rows[name]["median"], flops)
-            bar.update()
+            timed.append(name)
+        measured = time_steps(timed, shapes, cfg["repeats"], cfg["min_repeats"], cfg["budget_s"], bar=bar)
+        for name in contenders:
+            if name in measured:
+                rows[name] = measured[name]
+                previous[name] = (measured[name]["median"], flops)
         base = rows[ADAMW]["median"]
         for row in rows.values():
             if row.get("median") is not None:

@@ -462,17 +462,22 @@ def _fig3_md(fig3: dict[str, Any] | None, train: dict[str, Any] | None, plot_fil
                 f"{_mib(v['hf_muon.Muon'])} | {v['muon_x_adamw']:.3f} |", ""]
     single = (train or {}).get("settings", {}).get(SINGLE, {})
     if single:
-        out += ["Peak resident memory (RSS) of the single-process training runs of figure 2, and the optimizer "
-                "state they held:", "",
-                "| contender | RSS before training | peak RSS | x AdamW | optimizer state |", "|---|---|---|---|---|"]
+        out += ["Peak resident memory (RSS) of the single-process training runs of figure 2 (the process's own "
+                "high-water mark, which may be set before training starts, e.g. while libraries load), the RSS "
+                "when training starts, the highest RSS sampled during training (every 20 ms), and the "
+                "optimizer state the run held:", "",
+                "| contender | peak RSS (process) | x AdamW | RSS before training | peak RSS during training | "
+                "optimizer state |", "|---|---|---|---|---|---|"]
         base = single.get("adamw", {}).get("peak_rss_bytes_per_rank", [None])[0]
         for contender, row in single.items():
             if "failed" in row:
-                out.append(f"| {row.get('label') or contender} | failed: {row['failed']} | | | |")
+                out.append(f"| {row.get('label') or contender} | failed: {row['failed']} | | | | |")
                 continue
             peak = row["peak_rss_bytes_per_rank"][0]
-            out.append(f"| {row['label']} | {_mib(row['rss_before_train_bytes_per_rank'][0])} | {_mib(peak)} | "
-                       f"{_fmt(peak / base if base else None)} | {_mib(row['optimizer_state_bytes_per_rank'][0])} |")
+            during = (row.get("peak_rss_training_bytes_per_rank") or [None])[0]
+            out.append(f"| {row['label']} | {_mib(peak)} | {_fmt(peak / base if base else None)} | "
+                       f"{_mib(row['rss_before_train_bytes_per_rank'][0])} | {_mib(during)} | "
+                       f"{_mib(row['optimizer_state_bytes_per_rank'][0])} |")
         if not next(iter(single.values())).get("rss_isolated", True):
             out.append("\nThese runs shared one process (quick preset): peaks are sampled per run, not isolated.")
         out.append("")

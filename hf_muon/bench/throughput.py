@@ -136,6 +136,7 @@ def summarize_run(run: dict[str, Any], ranks: list[dict[str, Any]], isolated: bo
         "peak_rss_bytes_per_rank": [r["peak_rss_process_bytes"] if isolated else r["peak_rss_sampled_bytes"]
                                     for r in ranks],
         "rss_before_train_bytes_per_rank": [r["rss_before_train_bytes"] for r in ranks],
+        "peak_rss_training_bytes_per_rank": [r["peak_rss_sampled_bytes"] for r in ranks],
         "rss_isolated": isolated,
         "collective_bytes_per_rank_per_step": {"by_op": mean_by_op, "by_category": CommCounter.by_category(mean_by_op),
                                                "total": sum(mean_by_op.values()),
