@@ -74,7 +74,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             detail = (f"{m['median']:.0f} ({m['min']:.0f}–{m['max']:.0f}) vs {a['median']:.0f} ({a['min']:.0f}–"
                       f"{a['max']:.0f}) tokens/s")
             opt_step = (muon.get("optimizer_step_s") or {}).get("median")
-            if opt_step:
+            if opt_step and not muon.get("zero_stage"):
                 detail += (f"; hf_muon's optimizer step is {1e3 * opt_step:.0f} ms of a "
                            f"{muon['step_s']['median']:.1f} s step ({100 * opt_step / muon['step_s']['median']:.1f}%)")
             if ratio < 0.98 and m["max"] >= a["min"]:

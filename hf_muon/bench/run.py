@@ -66,7 +66,7 @@ FULL: dict[str, Any] = {
                "launch_timeout_s": 240, "run_timeout_s": 420, "env": {}},
     "fig5": {"lrs": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2], "seeds": [0, 1, 2], "lanes": 2, "timeout_s": 1500,
              "model": {}, "data": {},
-             "training": {"max_steps": 80, "warmup_steps": 8, "lr_scheduler_type": "cosine", "eval_strategy": "steps",
+             "training": {"max_steps": 64, "warmup_steps": 6, "lr_scheduler_type": "cosine", "eval_strategy": "steps",
                           "eval_steps": 8, "logging_steps": 8, "disable_tqdm": True, "report_to": "none",
                           "save_strategy": "no"}},
 }
