@@ -164,10 +164,27 @@ def _interleaved_medians(fns: list[Callable[[], Any]], repeats: int) -> list[flo
     return [sorted(s)[len(s) // 2] for s in samples]
 
 
+def _fastest_layout(b: int, m: int, k: int, n: int, dtype: torch.dtype, gen: torch.Generator,
+                    repeats: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Operands of a bare ``[b, m, k] @ [b, k, n]`` in the memory layout (each operand row- or
+    column-major) the machine multiplies fastest: the reference is the best this machine does."""
+    def operand(rows: int, cols: int, transposed: bool) -> torch.Tensor:
+        if transposed:
+            return torch.randn(b, cols, rows, generator=gen, dtype=dtype).mT
+        return torch.randn(b, rows, cols, generator=gen, dtype=dtype)
+
+    out = torch.empty(b, m, n, dtype=dtype)
+    variants = [(operand(m, k, tx), operand(k, n, ty)) for tx in (False, True) for ty in (False, True)]
+    times = _interleaved_medians([lambda x=x, y=y: torch.bmm(x, y, out=out) for x, y in variants], repeats)
+    x, y = variants[times.index(min(times))]
+    return x, y, out
+
+
 def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Newton–Schulz time per distinct shape (batched as hf_muon.Muon batches it) against the time of
     the bare matrix products it executes, in the same order (``torch.bmm`` into preallocated
-    outputs, same batch, shapes and dtype), timed in alternation with it:
+    outputs, same batch, shapes and dtype, each product in its fastest operand layout), timed in
+    alternation with it:
     ``fraction = bare time / NS time`` = achieved FLOP/s over the machine's matmul FLOP/s."""
     from ..kernels.newton_schulz import ns_flops, ns_matmuls, orthogonalize, resolve_method
 
@@ -180,9 +197,7 @@ def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtyp
                 rows.append({**rows[-1], "kernel": label})
                 continue
             products = ns_matmuls(r, c, NS_STEPS, method)
-            buffers = {mkn: (torch.randn(count, mkn[0], mkn[1], generator=gen, dtype=dtype),
-                             torch.randn(count, mkn[1], mkn[2], generator=gen, dtype=dtype),
-                             torch.empty(count, mkn[0], mkn[2], dtype=dtype)) for mkn in set(products)}
+            buffers = {mkn: _fastest_layout(count, *mkn, dtype, gen, repeats) for mkn in set(products)}
 
             def bare() -> None:
                 for mkn in products:

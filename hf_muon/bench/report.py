@@ -395,8 +395,9 @@ def _fig1_md(fig1: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
     if effs:
         out += ["**Newton–Schulz FLOP/s against this machine's matmul FLOP/s** (quintic, 5 steps, fp32 — the dtype "
                 "hf_muon uses on CPU). The limit is the time of the very matrix products the kernel executes, "
-                "timed bare (`torch.bmm` into preallocated outputs, same batch, shapes and dtype); the fraction "
-                "is bare time / Newton–Schulz time. \"before\" is the standard iteration the kernel ran before "
+                "timed bare (`torch.bmm` into preallocated outputs, same batch, shapes and dtype, each product in "
+                "the operand layout, row- or column-major, this machine multiplies fastest), in alternation "
+                "with the kernel; the fraction is bare time / Newton–Schulz time. \"before\" is the standard iteration the kernel ran before "
                 "this change; \"shipped\" picks Gram iterations for wide matrices, which execute fewer FLOPs "
                 "(the last column counts the standard form's FLOPs over the shipped time).", "",
                 "| set | shape x batch | kernel | method | NS ms | bare matmuls ms | % of machine | executed GFLOP/s | standard-equivalent GFLOP/s |",
