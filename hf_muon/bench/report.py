@@ -384,7 +384,9 @@ def _fig1_md(fig1: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
                 f"{data['standard_ns_gflop']:.1f} GFLOP of Newton–Schulz per step (standard form).", "",
                 "| contender | step ms, median (min–max) | n | x AdamW |", "|---|---|---|---|"]
         for name in CONTENDERS:
-            row = data["contenders"].get(name, {})
+            if name not in data["contenders"]:
+                continue  # not a contender of this preset
+            row = data["contenders"][name]
             if "skipped" in row:
                 out.append(f"| {name} | skipped: {row['skipped']} | – | – |")
             else:
