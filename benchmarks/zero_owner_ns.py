@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -105,11 +106,18 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A fresh port per cell: a fixed one can still be held by the previous cell's workers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_cell(stage: int, optimizer: str, world: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cell.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-               str(29500 + os.getpid() % 1000), __file__, "--worker", "--stage", str(stage), "--optimizer",
+               str(free_port()), __file__, "--worker", "--stage", str(stage), "--optimizer",
                optimizer, "--steps", str(steps), "--out", out]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
