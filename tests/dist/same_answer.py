@@ -134,6 +134,7 @@ def main() -> None:
                 "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
                 "ns_flops_per_rank": load,
             }, f)
+    dist.barrier()  # no rank tears gloo down while another still talks (it aborts then)
     dist.destroy_process_group()
 
 

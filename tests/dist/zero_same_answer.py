@@ -99,6 +99,7 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    dist.barrier()  # no rank tears gloo down while another still talks (it aborts then)
     dist.destroy_process_group()
 
 
