@@ -221,6 +221,7 @@ class Muon(Optimizer):
         # group's "params" for one flat partition, and these say which matrices it stands for.
         self._group_tensors: list[list[Tensor]] = []
         self._zero_partitions: dict[tuple[int, int, int], Any] = {}
+        self._zero_exchanges: dict[tuple[int, int, int, int], Exchange] = {}
         super().__init__(groups, defaults)
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
@@ -347,8 +348,13 @@ class Muon(Optimizer):
             def pieces(t: Tensor) -> list[Tensor]:
                 return [t.narrow(0, offset, length) for offset, length in part.spans]
 
-            exchange = exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
-                                     self.exchange_stats, self.bucket_bytes, self.comm_dtype)
+            # The layout never changes, so neither does the owner plan: build the exchange once.
+            plan_key = (*key, group["ns_steps"])
+            if plan_key not in self._zero_exchanges:
+                self._zero_exchanges[plan_key] = exchange_over(
+                    list(part.layouts), part.group, part.rank, part.world, group["ns_steps"], self.exchange_stats,
+                    self.bucket_bytes, self.comm_dtype)
+            exchange = self._zero_exchanges[plan_key]
             self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]),
                              [layout.shape for layout in part.layouts], exchange)
 
