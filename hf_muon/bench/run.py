@@ -55,11 +55,11 @@ FULL: dict[str, Any] = {
              # bf16 steps take about a minute here (this CPU has no bf16 matmul): hf_muon.Muon with
              # ns_dtype=bf16 is left out of the step times (its error is in the orthogonality table)
              "contenders": [ADAMW, HF_MUON, HF_MUON_BEFORE, TORCH_MUON],
-             "repeats": 5, "min_repeats": 2, "budget_s": 30.0, "max_step_s": 120.0,
+             "repeats": 4, "min_repeats": 2, "budget_s": 30.0, "max_step_s": 120.0,
              "ns_sets": ["llama-like"], "ns_repeats": 5},
     "fig3": {"llama_like": {"d": 512, "layers": 4, "heads": 8, "kv_heads": 2}, "vocab": 258},
     "fig2_4": {"model": {"hidden_size": 192, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512},
-               "seq_len": 128, "micro_batch": 16, "tokens_per_step": 65536, "warmup_steps": 1, "measured_steps": 4,
+               "seq_len": 128, "micro_batch": 16, "tokens_per_step": 65536, "warmup_steps": 1, "measured_steps": 3,
                "lr": 1e-3, "weight_decay": 0.01, "corpus_mb": 2.0, "seed": 0,
                "single": ["adamw", "hf_muon", "torch_muon"], "zero": ["adamw", "hf_muon", "ds_muon"],
                "zero_stages": [2, 3], "world": 2, "group_launches": False,

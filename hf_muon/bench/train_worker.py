@@ -193,6 +193,22 @@ class RssSampler:
         self.peak = max(self.peak, self.current())
 
 
+def process_peak_rss() -> int:
+    """This process's resident-memory high-water mark since it started (``VmHWM``).
+
+    Not ``ru_maxrss``: Linux carries that across ``fork`` + ``exec``, so a worker started by a large
+    parent (the benchmark process, after figure 1) would report the parent's size as its own peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the best there is
+
+
 def make_callback(records: dict[str, list]):
     from transformers import TrainerCallback
 
@@ -298,7 +314,7 @@ def train_one(contender: str, stage: int | None, spec: dict[str, Any], dataset: 
         # ZeRO-3 leaves each rank an empty placeholder: the whole count is in ds_numel
         "parameters": sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters()),
         "rss_before_train_bytes": rss_before, "peak_rss_sampled_bytes": sampler.peak,
-        "peak_rss_process_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_process_bytes": process_peak_rss(),
         "exchange_bytes_sent": getattr(exchange, "bytes_sent", None),
     }
     del trainer, opt, model, optimizers
