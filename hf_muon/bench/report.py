@@ -243,9 +243,9 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
                 lows.append(tps.get("min") or 0.0)
                 highs.append(tps.get("max") or 0.0)
         bars(ax, labels, values, lows, highs)
-        ax.set_ylabel("tokens/s (median, min–max over steps); 0 = failed")
+        ax.set_ylabel("tokens/s (median, min–max over steps)")
         tokens = _get(figs, "fig2_4", "config", "tokens_per_step")
-        ax.set_title(f"end-to-end Trainer throughput, {tokens} tokens per optimizer step", fontsize=9)
+        ax.set_title(f"end-to-end Trainer throughput, {tokens} tokens per optimizer step (0 = failed)", fontsize=9)
         save(fig, "fig2_throughput.png")
 
     state = _get(figs, "fig3", "measured")
@@ -282,6 +282,9 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
             vals = [(_get(r, "by_category", cat) or 0) / 2**20 for _, _, r in zero_rows]
             ax.bar(xs, vals, bottom=bottom, label=cat)
             bottom = [b + v for b, v in zip(bottom, vals)]
+        for x, total in zip(xs, bottom):
+            ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(0, 1.12 * max(bottom + [1.0]))
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{s}\n{r['label']}" + ("\n(failed)" if "failed" in r else "") for s, c, r in zero_rows],
                            rotation=30, ha="right", fontsize=7)
