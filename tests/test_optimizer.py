@@ -60,7 +60,7 @@ def test_fp32_matches_reference_definition(nesterov, rule):
 
 @pytest.mark.parametrize("ns_dtype", [None, "bfloat16"])
 def test_default_dtype_matches_torch_muon(ns_dtype):
-    # None is the dtype policy (float32 on CPU, bf16 on accelerators); torch.optim.Muon always uses bf16
+    # None is the dtype policy (bf16, or fp32 on CPUs without bf16 matmul); torch.optim.Muon always uses bf16
     torch.manual_seed(0)
     shapes = [(64, 32), (32, 96), (48, 48)]
     ours = [nn.Parameter(torch.randn(s)) for s in shapes]
@@ -74,7 +74,7 @@ def test_default_dtype_matches_torch_muon(ns_dtype):
         opt.step()
         ref.step()
     for a, b in zip(ours, theirs):
-        # both run Newton–Schulz in bf16; batching and op order differ at bf16 round-off
+        # bf16 vs bf16 (or fp32); batching, op order and Gram iterations differ at bf16 round-off
         assert rel(a.detach(), b.detach()) < 2e-2
         assert torch.allclose(a, b, atol=3e-2)
 
@@ -270,8 +270,13 @@ def test_bare_tensors_warn_that_embeddings_cannot_be_identified():
     assert sorted(g["algorithm"] for g in opt.param_groups) == ["adamw", "muon"]
 
 
-def test_ns_dtype_policy():
+def test_ns_dtype_policy(monkeypatch):
+    from hf_muon.optimizer import muon
+
+    monkeypatch.setattr(muon, "cpu_multiplies_bf16_natively", lambda: False)
     assert resolve_ns_dtype(None, torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(muon, "cpu_multiplies_bf16_natively", lambda: True)
+    assert resolve_ns_dtype(None, torch.device("cpu")) == torch.bfloat16
     assert resolve_ns_dtype(None, torch.device("cuda")) == torch.bfloat16
     assert resolve_ns_dtype("bf16", torch.device("cpu")) == torch.bfloat16
 

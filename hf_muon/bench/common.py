@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterable, Sequence
 ADAMW = "torch.optim.AdamW (foreach)"
 HF_MUON = "hf_muon.Muon"
 HF_MUON_BEFORE = "hf_muon.Muon, NS kernel before (standard iterations)"
-HF_MUON_BF16 = "hf_muon.Muon (ns_dtype=bf16)"
+HF_MUON_FP32 = "hf_muon.Muon (ns_dtype=fp32)"
 TORCH_MUON = "torch.optim.Muon (bf16, per matrix)"
-CONTENDERS = (ADAMW, HF_MUON, HF_MUON_BEFORE, HF_MUON_BF16, TORCH_MUON)
+CONTENDERS = (ADAMW, HF_MUON, HF_MUON_BEFORE, HF_MUON_FP32, TORCH_MUON)
 
 
 def summarize(samples: Sequence[float]) -> dict[str, Any]:

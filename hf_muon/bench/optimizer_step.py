@@ -1,8 +1,8 @@
 """Figure 1: the optimizer step on Llama-like sets of matrices, in this process.
 
 * step time of each contender (``torch.optim.AdamW`` foreach, ``hf_muon.Muon`` as shipped, the same
-  with the Newton–Schulz kernel before the Gram change, with ``ns_dtype=bf16``, and
-  ``torch.optim.Muon``) on the same tensors and gradients;
+  with the Newton–Schulz kernel before the Gram change, with ``ns_dtype=fp32`` where the dtype
+  policy picks bf16 on this CPU, and ``torch.optim.Muon``) on the same tensors and gradients;
 * Newton–Schulz FLOP/s as a fraction of this machine's matmul FLOP/s for the very products it
   executes (same shapes, same dtype, timed bare with preallocated outputs);
 * orthogonality error of each Newton–Schulz variant against the exact polar factor ``U V^T`` of an
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .common import (ADAMW, CONTENDERS, HF_MUON, HF_MUON_BEFORE, HF_MUON_BF16, TORCH_MUON, llama_matrices,
+from .common import (ADAMW, CONTENDERS, HF_MUON, HF_MUON_BEFORE, HF_MUON_FP32, TORCH_MUON, llama_matrices,
                      progress, summarize)
 
 NS_STEPS = 5
@@ -65,8 +65,8 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.O
         return Muon(group, lr=lr, weight_decay=wd), contextlib.nullcontext
     if name == HF_MUON_BEFORE:
         return Muon(group, lr=lr, weight_decay=wd), functools.partial(ns_method, "standard")
-    if name == HF_MUON_BF16:
-        return Muon(group, lr=lr, weight_decay=wd, ns_dtype=torch.bfloat16), contextlib.nullcontext
+    if name == HF_MUON_FP32:
+        return Muon(group, lr=lr, weight_decay=wd, ns_dtype=torch.float32), contextlib.nullcontext
     raise ValueError(name)
 
 
@@ -180,7 +180,14 @@ def _fastest_layout(b: int, m: int, k: int, n: int, dtype: torch.dtype, gen: tor
     return x, y, out
 
 
-def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def policy_ns_dtype() -> torch.dtype:
+    """The dtype ``hf_muon.Muon`` runs Newton–Schulz in on this CPU by default."""
+    from ..optimizer.muon import resolve_ns_dtype
+
+    return resolve_ns_dtype(None, torch.device("cpu"))
+
+
+def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtype) -> dict[str, Any]:
     """Newton–Schulz time per distinct shape (batched as hf_muon.Muon batches it) against the time of
     the bare matrix products it executes, in the same order (``torch.bmm`` into preallocated
     outputs, same batch, shapes and dtype, each product in its fastest operand layout), timed in
@@ -196,7 +203,7 @@ def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtyp
             if label == "before" and method == rows[-1]["method"]:  # the same code path: measured once
                 rows.append({**rows[-1], "kernel": label})
                 continue
-            products = ns_matmuls(r, c, NS_STEPS, method)
+            products = ns_matmuls(r, c, NS_STEPS, method, dtype)
             buffers = {mkn: _fastest_layout(count, *mkn, dtype, gen, repeats) for mkn in set(products)}
 
             def bare() -> None:
@@ -208,7 +215,7 @@ def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtyp
                 orthogonalize(batch, NS_STEPS, "quintic", dtype, method=method)
 
             ns_time, bare_time = _interleaved_medians([ns, bare], repeats)
-            executed = count * ns_flops(r, c, NS_STEPS, method)
+            executed = count * ns_flops(r, c, NS_STEPS, method, dtype)
             standard = count * ns_flops(r, c, NS_STEPS, "standard")
             rows.append({
                 "shape": [r, c], "batch": count, "kernel": label, "method": method, "ns_s": ns_time,
@@ -235,21 +242,26 @@ def _torch_muon_ns(g: torch.Tensor) -> torch.Tensor:
     return _muon._zeropower_via_newtonschulz(g, (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C), NS_STEPS, 1e-7)
 
 
-def ns_variants() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The Newton–Schulz variants of the orthogonality table; ``shipped`` is the policy's dtype here."""
     from ..kernels.newton_schulz import orthogonalize
 
     f32, bf16 = torch.float32, torch.bfloat16
+    other = f32 if shipped == bf16 else bf16
+    name, other_name = (str(d).replace("torch.", "") for d in (shipped, other))
     return {
         "torch.optim.Muon (quintic, bf16, 5 steps)": _torch_muon_ns,
-        "hf_muon shipped on CPU (quintic, fp32, Gram for wide, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", f32),
-        "hf_muon before (quintic, fp32, standard, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", f32, method="standard"),
-        "hf_muon quintic bf16 (standard, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", bf16),
+        f"hf_muon shipped on this CPU (quintic, {name}, Gram for wide, 5 steps)":
+            lambda g: orthogonalize(g, 5, "quintic", shipped),
+        f"hf_muon before (quintic, {name}, standard, 5 steps)":
+            lambda g: orthogonalize(g, 5, "quintic", shipped, method="standard"),
+        f"hf_muon quintic {other_name} (Gram for wide, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", other),
         "hf_muon Polar Express fp32 (5 steps)": lambda g: orthogonalize(g, 5, "polar_express", f32),
         "hf_muon Polar Express fp32 (8 steps)": lambda g: orthogonalize(g, 8, "polar_express", f32),
     }
 
 
-def orthogonality(shapes: list[tuple[int, int]]) -> dict[str, Any]:
+def orthogonality(shapes: list[tuple[int, int]], shipped: torch.dtype) -> dict[str, Any]:
     """Relative Frobenius error ``|O - U V^T| / |U V^T|`` and the range of O's singular values, per
     variant, on one seeded Gaussian matrix per distinct shape (averaged with the shapes' counts)."""
     gen = torch.Generator().manual_seed(2)
@@ -260,7 +272,7 @@ def orthogonality(shapes: list[tuple[int, int]]) -> dict[str, Any]:
         u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
         polar[shape] = u @ vh
     out = {}
-    for name, fn in ns_variants().items():
+    for name, fn in ns_variants(shipped).items():
         errors, smin, smax = [], [], []
         for shape, g in inputs.items():
             o = fn(g).double()
@@ -277,17 +289,21 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     Llama-like set the targets read), ``contenders``, ``repeats``, ``min_repeats``, ``budget_s``,
     ``max_step_s``, ``ns_sets`` (sets whose Newton–Schulz FLOP/s is measured), ``ns_repeats``."""
     sets = cfg["sets"]
-    result: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
-    result["step_time"] = step_times(sets, cfg)
+    dtype = policy_ns_dtype()
+    result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "ns_dtype": str(dtype).replace("torch.", "")}
+    contenders = cfg.get("contenders", CONTENDERS)
+    if dtype == torch.float32:  # ns_dtype=fp32 is then what hf_muon.Muon runs anyway
+        contenders = [c for c in contenders if c != HF_MUON_FP32]
+    result["step_time"] = step_times(sets, {**cfg, "contenders": contenders})
     result["ns_efficiency"] = {}
     result["orthogonality"] = {}
     ns_sets = cfg.get("ns_sets", list(sets))
     bar = progress(len(ns_sets) + 1, "fig 1: NS FLOP/s and orthogonality", "part")
     for set_name in ns_sets:
-        result["ns_efficiency"][set_name] = ns_efficiency(shape_set(sets[set_name]), cfg["ns_repeats"])
+        result["ns_efficiency"][set_name] = ns_efficiency(shape_set(sets[set_name]), cfg["ns_repeats"], dtype)
         bar.update()
     first = next(iter(sets))
-    result["orthogonality"][first] = orthogonality(shape_set(sets[first]))
+    result["orthogonality"][first] = orthogonality(shape_set(sets[first]), dtype)
     bar.update()
     bar.close()
     return result

@@ -90,7 +90,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"NS FLOP/s ({first_set})", goal, f"{100 * eff['fraction_of_machine']:.0f}%",
             _status(eff["fraction_of_machine"] >= 0.85),
             f"{eff['achieved_gflops']:.1f} GFLOP/s executed vs {eff['machine_gflops']:.1f} GFLOP/s bare matmuls "
-            f"(fp32); {eff['standard_equivalent_gflops']:.1f} GFLOP/s counted as the standard iteration's FLOPs")
+            f"({fig1.get('ns_dtype', 'float32')}); {eff['standard_equivalent_gflops']:.1f} GFLOP/s counted as the "
+            "standard iteration's FLOPs")
     else:
         add("NS FLOP/s", goal, None, NOT_MEASURED, _get(results, "sections", "fig1", "failed") or "fig 1 not run")
 
@@ -106,7 +107,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         add(f"step time vs torch.optim.Muon ({first_set})", goal, f"{ratio:.3f} x; error {ours:.4f} vs {theirs:.4f}",
             _status(ratio <= 0.75 and error_ok),
             f"equal error = within {100 * ORTHO_TOLERANCE:.0f}% relative; torch.optim.Muon runs Newton–Schulz in "
-            "bf16, which this CPU emulates (no native bf16 matmul), hf_muon in fp32 here")
+            f"bf16, one matrix at a time; hf_muon in {fig1.get('ns_dtype', 'float32')} (its dtype policy on this "
+            "CPU), batched by shape, Gram iterations for wide matrices")
     else:
         add("step time vs torch.optim.Muon", goal, None, NOT_MEASURED, "fig 1 step times incomplete")
 
@@ -217,7 +219,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
                 values.append(100 * eff["total"][label]["fraction_of_machine"])
             bars(ax, labels, values, colors=["tab:blue" if "shipped" in lb else "tab:gray" for lb in labels])
             ax.axhline(85, color="red", linestyle=":", label="target 85%")
-            ax.set_ylabel("% of bare-matmul FLOP/s, same products (fp32)")
+            ax.set_ylabel(f"% of bare-matmul FLOP/s, same products ({eff['dtype']})")
             ax.set_title(f"{set_name}: Newton–Schulz vs machine matmul", fontsize=9)
             ax.legend(fontsize=7)
         save(fig, "fig1_ns_efficiency.png")
@@ -398,13 +400,15 @@ def _fig1_md(fig1: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
     out += _img("fig1_step_time.png", plot_files)
     effs = fig1.get("ns_efficiency", {})
     if effs:
-        out += ["**Newton–Schulz FLOP/s against this machine's matmul FLOP/s** (quintic, 5 steps, fp32 — the dtype "
-                "hf_muon uses on CPU). The limit is the time of the very matrix products the kernel executes, "
-                "timed bare (`torch.bmm` into preallocated outputs, same batch, shapes and dtype, each product in "
-                "the operand layout, row- or column-major, this machine multiplies fastest), in alternation "
-                "with the kernel; the fraction is bare time / Newton–Schulz time. \"before\" is the standard iteration the kernel ran before "
-                "this change; \"shipped\" picks Gram iterations for wide matrices, which execute fewer FLOPs "
-                "(the last column counts the standard form's FLOPs over the shipped time).", "",
+        out += ["**Newton–Schulz FLOP/s against this machine's matmul FLOP/s** (quintic, 5 steps, "
+                f"{fig1.get('ns_dtype', 'float32')} — the dtype hf_muon uses on this CPU). The limit is the time "
+                "of the very matrix products the kernel executes, timed bare (`torch.bmm` into preallocated "
+                "outputs, same batch, shapes and dtype, each product in the operand layout, row- or "
+                "column-major, this machine multiplies fastest), in alternation with the kernel; the fraction is "
+                "bare time / Newton–Schulz time. \"before\" is the standard iteration the kernel ran before the "
+                "Gram change; \"shipped\" picks Gram iterations for wide matrices, which execute fewer FLOPs (in "
+                "bf16 with one restart; the last column counts the standard form's FLOPs over the shipped time).",
+                "",
                 "| set | shape x batch | kernel | method | NS ms | bare matmuls ms | % of machine | executed GFLOP/s | standard-equivalent GFLOP/s |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for set_name, eff in effs.items():

@@ -23,7 +23,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from .common import ADAMW, HF_MUON, HF_MUON_BEFORE, TORCH_MUON
 
 FIGURES = ("fig1", "fig3", "fig2_4", "fig5")
 
@@ -52,9 +51,6 @@ QUICK: dict[str, Any] = {
 FULL: dict[str, Any] = {
     "fig1": {"sets": {"llama-like": {"d": 512, "layers": 4, "heads": 8, "kv_heads": 2},
                       "larger": {"d": 1024, "layers": 2, "heads": 16, "kv_heads": 4}},
-             # bf16 steps take about a minute here (this CPU has no bf16 matmul): hf_muon.Muon with
-             # ns_dtype=bf16 is left out of the step times (its error is in the orthogonality table)
-             "contenders": [ADAMW, HF_MUON, HF_MUON_BEFORE, TORCH_MUON],
              "repeats": 4, "min_repeats": 2, "budget_s": 30.0, "max_step_s": 120.0,
              "ns_sets": ["llama-like"], "ns_repeats": 5},
     "fig3": {"llama_like": {"d": 512, "layers": 4, "heads": 8, "kv_heads": 2}, "vocab": 258},

@@ -48,43 +48,63 @@ NS_METHODS = ("auto", "standard", "gram")
 # Gram iterations only where they cost at most this fraction of the standard ones' FLOPs: near the
 # break-even point (about cols = 1.5 * rows at 5 steps) the cheaper count is not a faster run.
 _GRAM_MAX_FLOP_RATIO = 0.9
+# In bf16/fp16 the Gram iterations restart (X <- Q X0, then A <- X X^T afresh) after the first 2
+# steps and then every 3. Rounding makes the carried A_k slightly indefinite, and the polynomial
+# multiplies those spurious eigenvalues by about a^2 = 12 per step: run through 5 steps, a rank-1
+# plus noise matrix ends 20x farther from its polar factor than with the standard iteration. A
+# fresh X X^T is positive semidefinite again; with the restarts the error is the standard form's.
+_LOW_PRECISION_FIRST_SEGMENT, _LOW_PRECISION_SEGMENT = 2, 3
 
 
-def ns_matmuls(rows: int, cols: int, steps: int, method: str) -> list[tuple[int, int, int]]:
+def gram_segments(steps: int, dtype: torch.dtype) -> list[int]:
+    """How many steps each run of Gram iterations takes before the next restart, in ``dtype``."""
+    if dtype in (torch.float32, torch.float64):
+        return [steps]
+    segments: list[int] = []
+    while sum(segments) < steps:
+        size = _LOW_PRECISION_SEGMENT if segments else _LOW_PRECISION_FIRST_SEGMENT
+        segments.append(min(size, steps - sum(segments)))
+    return segments
+
+
+def ns_matmuls(rows: int, cols: int, steps: int, method: str,
+               dtype: torch.dtype = torch.float32) -> list[tuple[int, int, int]]:
     """The matrix products ``(m, k, n)`` (an ``m x k`` times ``k x n``) one Newton–Schulz run on a
-    ``rows x cols`` matrix executes with ``method`` ("standard" or "gram"), in order. Their FLOPs
-    are ``sum(2 * m * k * n)``; benchmarks time the same products bare as the machine's limit."""
+    ``rows x cols`` matrix in ``dtype`` executes with ``method`` ("standard" or "gram"), in order.
+    Their FLOPs are ``sum(2 * m * k * n)``; benchmarks time the same products bare as the machine's
+    limit."""
     m, n = min(rows, cols), max(rows, cols)
     if method == "standard":
         return [(m, n, m), (m, m, m), (m, m, n)] * steps
     if method == "gram":
-        products = [(m, n, m)]
-        for i in range(steps):
-            products.append((m, m, m))  # A @ A
-            if i > 0:
-                products.append((m, m, m))  # Q <- B @ Q
-            if i < steps - 1:
-                products += [(m, m, m), (m, m, m)]  # A <- B @ (A @ B)
-        return products + [(m, m, n)]
+        products = []
+        for segment in gram_segments(steps, dtype):
+            products.append((m, n, m))  # A <- X X^T
+            for i in range(segment):
+                products.append((m, m, m))  # A @ A
+                if i > 0:
+                    products.append((m, m, m))  # Q <- B @ Q
+                if i < segment - 1:
+                    products += [(m, m, m), (m, m, m)]  # A <- B @ (A @ B)
+            products.append((m, m, n))  # X <- Q X
+        return products
     raise ValueError(f"method must be 'standard' or 'gram' here, got {method!r}")
 
 
-def ns_flops(rows: int, cols: int, steps: int, method: str) -> int:
+def ns_flops(rows: int, cols: int, steps: int, method: str, dtype: torch.dtype = torch.float32) -> int:
     """Floating-point operations of one Newton–Schulz run (2 per multiply-add of every product)."""
-    return sum(2 * m * k * n for m, k, n in ns_matmuls(rows, cols, steps, method))
+    return sum(2 * m * k * n for m, k, n in ns_matmuls(rows, cols, steps, method, dtype))
 
 
 def resolve_method(rows: int, cols: int, steps: int, dtype: torch.dtype, method: str = "auto") -> str:
-    """The iteration ``orthogonalize`` runs: ``"auto"`` picks Gram iterations for clearly wide (or
-    tall) matrices in float32/float64, the standard ones otherwise. bf16/fp16 always use the standard
-    form: the Gram form's products of small-matrix polynomials lose more to low-precision rounding."""
+    """The iteration ``orthogonalize`` runs: ``"auto"`` picks Gram iterations (with restarts in
+    bf16/fp16, see :func:`gram_segments`) where they execute at most 0.9x the standard iteration's
+    FLOPs, i.e. for clearly wide (or tall) matrices; the standard ones otherwise."""
     if method not in NS_METHODS:
         raise ValueError(f"method must be one of {NS_METHODS}, got {method!r}")
     if method != "auto":
         return method
-    if dtype not in (torch.float32, torch.float64):
-        return "standard"
-    gram, standard = ns_flops(rows, cols, steps, "gram"), ns_flops(rows, cols, steps, "standard")
+    gram, standard = ns_flops(rows, cols, steps, "gram", dtype), ns_flops(rows, cols, steps, "standard")
     return "gram" if gram <= _GRAM_MAX_FLOP_RATIO * standard else "standard"
 
 
@@ -107,7 +127,7 @@ def orthogonalize(
     ``A_{k+1} = B_k A_k B_k``, ``Q_{k+1} = B_k Q_k`` (``B_k = a I + b A_k + c A_k^2``) run on
     ``rows x rows`` matrices only; the wide matrix is touched twice (``X_0 X_0^T`` and ``Q X_0``)
     instead of twice per step. At 5 steps that is 0.66x the FLOPs for ``cols = 3 rows`` and 0.56x
-    for ``cols = 4 rows``. ``"auto"`` (see :func:`resolve_method`) chooses per shape and dtype.
+    for ``cols = 4 rows`` (0.74x and 0.67x in bf16/fp16, which restart once; see :func:`gram_segments`). ``"auto"`` (see :func:`resolve_method`) chooses per shape and dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
@@ -124,7 +144,10 @@ def orthogonalize(
     if X.ndim > 3:
         X = X.reshape(-1, *X.shape[-2:])
     if method == "gram":
-        X = _gram_iterations(X, schedule)
+        done = 0
+        for segment in gram_segments(steps, X.dtype):
+            X = _gram_iterations(X, schedule[done:done + segment])
+            done += segment
     else:
         for a, b, c in schedule:
             A = X @ X.mT
