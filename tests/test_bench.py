@@ -71,16 +71,21 @@ def test_steps_to_reach_and_medians():
     assert (s["median"], s["min"], s["max"], s["n"]) == (2.0, 1.0, 3.0, 3)
 
 
-def test_ns_efficiency_counts_the_executed_products():
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_ns_efficiency_counts_the_executed_products(dtype_name):
     import torch
 
     from hf_muon.bench.optimizer_step import ns_efficiency
+    from hf_muon.kernels.newton_schulz import ns_flops
 
-    result = ns_efficiency([(32, 96), (32, 96), (48, 48)], repeats=1)
+    dtype = getattr(torch, dtype_name)
+    result = ns_efficiency([(32, 96), (32, 96), (48, 48)], repeats=1, dtype=dtype)
     shipped = {tuple(r["shape"]): r for r in result["per_shape"] if r["kernel"] == "shipped"}
     assert shipped[(32, 96)]["method"] == "gram" and shipped[(32, 96)]["batch"] == 2
     assert shipped[(48, 48)]["method"] == "standard"
-    assert result["dtype"] == str(torch.float32).replace("torch.", "")
+    # bf16 Gram iterations restart once: two more wide products than in fp32
+    assert shipped[(32, 96)]["executed_gflop"] == pytest.approx(2 * ns_flops(32, 96, 5, "gram", dtype) / 1e9)
+    assert result["dtype"] == dtype_name
     for row in result["per_shape"]:
         assert row["ns_s"] > 0 and row["bare_matmul_s"] > 0 and row["fraction_of_machine"] > 0
 

@@ -22,6 +22,9 @@ from hf_muon import Muon
 from same_answer import Block, counting_newton_schulz, loss_fn, train
 
 BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
+# fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then ZeRO and the
+# single-process reference agree to fp32 round-off, and any larger gap is a bug in the exchange.
+OPTIMIZER = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
 
 def zero_config(stage: int, world: int, accumulation: int, dtype: str) -> dict:
@@ -51,7 +54,7 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
         assert all(p.numel() == 0 for p in model.parameters()), "zero.Init did not partition the model"
     else:
         model = copy.deepcopy(base)
-    opt = Muon(model, lr=2e-2, weight_decay=0.1)
+    opt = Muon(model, **OPTIMIZER)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     with counting_newton_schulz() as calls:
         for batch in batches:
@@ -81,7 +84,7 @@ def main() -> None:
     base = Block()
     batches = [torch.randint(0, 64, (BATCH, 16)) for _ in range(args.steps)]
     reference = copy.deepcopy(base)
-    train(reference, Muon(reference, lr=2e-2, weight_decay=0.1, distributed=False), batches, 1, 0, 1)
+    train(reference, Muon(reference, distributed=False, **OPTIMIZER), batches, 1, 0, 1)
 
     results = {}
     for stage in args.stages.split(","):
