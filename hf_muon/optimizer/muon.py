@@ -136,7 +136,9 @@ def muon_update(
         _, rows, cols = as_matrices(torch.empty(shape, device="meta"), stacked).shape
         ps, os_ = by_scale.setdefault(lr_scale(rows, cols, adjust_lr), ([], []))
         ps.append(p)
-        os_.append(o.view(p.shape).to(p.dtype))
+        os_.append(o.view(p.shape))
+    # An update in another dtype (bf16 Newton–Schulz) is added as it is: add_ upcasts it inside the
+    # kernel (for fp32 parameters bit-for-bit the cast-then-add result) without a full-size copy.
     for scale, (ps, os_) in by_scale.items():
         torch._foreach_add_(ps, os_, alpha=-lr * scale)
 
@@ -284,9 +286,13 @@ class Muon(Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     _check_grad(p)
-                    flags.append(local(p.grad).isfinite().all())
+                    grad = local(p.grad)
+                    if grad.numel():  # a ZeRO-3 rank may hold none of a tensor
+                        # one pass, no temporaries (isfinite().all() takes four): NaN propagates
+                        # through min and max, and an infinity is one of them
+                        flags += torch.aminmax(grad)
                     params.append(p)
-        finite = bool(torch.stack(flags).all()) if flags else True
+        finite = bool(torch.stack(flags).isfinite().all()) if flags else True
         # sharded gradients: every rank must skip the same steps, or collectives would not match
         return all_ranks_agree(finite, params) if self.distributed and params else finite
 
