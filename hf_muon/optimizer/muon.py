@@ -87,9 +87,12 @@ def orthogonalize_all(
     for i, m in enumerate(mats):
         buckets.setdefault((tuple(m.shape[1:]), m.dtype, m.device), []).append(i)
     out: list[Tensor] = [None] * len(updates)  # type: ignore[list-item]
-    for indices in buckets.values():
-        batch = mats[indices[0]] if len(indices) == 1 else torch.cat([mats[i] for i in indices])
-        ortho = orthogonalize(batch, steps, coefficients, resolve_ns_dtype(ns_dtype, batch.device))
+    for (shape, _, device), indices in buckets.items():
+        dtype = resolve_ns_dtype(ns_dtype, device)
+        # stacked straight into the Newton–Schulz dtype: one copy, not a cat and then a cast
+        batch = torch.empty(sum(mats[i].shape[0] for i in indices), *shape, dtype=dtype, device=device)
+        torch.cat([mats[i] for i in indices], out=batch)
+        ortho = orthogonalize(batch, steps, coefficients, dtype)
         for i, piece in zip(indices, ortho.split([mats[i].shape[0] for i in indices])):
             out[i] = piece.reshape(updates[i].shape)
     return out
