@@ -6,8 +6,9 @@ machine's matmul FLOP/s, and orthogonality error against an SVD's polar factor.
 Contenders run in this process on the same tensors and gradients: torch.optim.AdamW (foreach),
 hf_muon.Muon (Newton–Schulz in its policy dtype: bf16 on CPUs with native bf16 matmul, else fp32;
 Gram iterations for wide matrices), the same with the kernel before the Gram change, with
-ns_dtype=fp32 where the policy picks bf16, and torch.optim.Muon (bf16, one matrix at a time). Timings on a shared machine are noisy: read the ratios. The whole benchmark (all figures,
-report and plots) is ``hf-muon bench``.
+ns_dtype=fp32 where the policy picks bf16, and torch.optim.Muon (bf16, one matrix at a time).
+Timings on a shared machine are noisy: read the ratios. The whole benchmark (all figures, report
+and plots) is ``hf-muon bench``.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def orthogonalize(
     ``A_{k+1} = B_k A_k B_k``, ``Q_{k+1} = B_k Q_k`` (``B_k = a I + b A_k + c A_k^2``) run on
     ``rows x rows`` matrices only; the wide matrix is touched twice (``X_0 X_0^T`` and ``Q X_0``)
     instead of twice per step. At 5 steps that is 0.66x the FLOPs for ``cols = 3 rows`` and 0.56x
-    for ``cols = 4 rows`` (0.74x and 0.67x in bf16/fp16, which restart once; see :func:`gram_segments`). ``"auto"`` (see :func:`resolve_method`) chooses per shape and dtype.
+    for ``cols = 4 rows`` (0.74x and 0.67x in bf16/fp16, which restart once; see
+    :func:`gram_segments`). ``"auto"`` (see :func:`resolve_method`) chooses per shape and dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
