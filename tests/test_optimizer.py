@@ -128,6 +128,18 @@ def test_conv_weight_is_one_matrix_and_experts_one_per_expert():
         assert rel(experts.detach()[e], ref_e) < 1e-5
 
 
+def test_same_shape_updates_of_different_dtypes_share_a_batch():
+    from hf_muon.kernels.newton_schulz import orthogonalize
+    from hf_muon.optimizer.muon import orthogonalize_all
+
+    torch.manual_seed(0)
+    updates = [torch.randn(16, 48), torch.randn(16, 48).to(torch.bfloat16), torch.randn(16, 48).half()]
+    together = orthogonalize_all(updates, False, 5, "quintic", torch.float32)
+    for u, o in zip(updates, together):
+        assert o.dtype == torch.float32 and o.shape == u.shape
+        assert torch.allclose(o, orthogonalize(u.float(), 5, "quintic", torch.float32), atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mixed_precision_parameters_train(dtype):
     torch.manual_seed(0)

@@ -81,15 +81,16 @@ def resolve_ns_dtype(ns_dtype: torch.dtype | str | None, device: torch.device | 
 def orthogonalize_all(
     updates: list[Tensor], stacked: bool, steps: int, coefficients: str, ns_dtype: torch.dtype | str | None
 ) -> list[Tensor]:
-    """Newton–Schulz of every update, one batched call per (shape, dtype, device)."""
+    """Newton–Schulz of every update, one batched call per (shape, device), in the NS dtype."""
     mats = [as_matrices(u, stacked) for u in updates]
     buckets: dict[tuple, list[int]] = {}
     for i, m in enumerate(mats):
-        buckets.setdefault((tuple(m.shape[1:]), m.dtype, m.device), []).append(i)
+        buckets.setdefault((tuple(m.shape[1:]), m.device), []).append(i)
     out: list[Tensor] = [None] * len(updates)  # type: ignore[list-item]
-    for (shape, _, device), indices in buckets.items():
+    for (shape, device), indices in buckets.items():
         dtype = resolve_ns_dtype(ns_dtype, device)
-        # stacked straight into the Newton–Schulz dtype: one copy, not a cat and then a cast
+        # stacked straight into the Newton–Schulz dtype (updates of any dtype share a batch): one
+        # copy, not a cat and then a cast
         batch = torch.empty(sum(mats[i].shape[0] for i in indices), *shape, dtype=dtype, device=device)
         torch.cat([mats[i] for i in indices], out=batch)
         ortho = orthogonalize(batch, steps, coefficients, dtype)
