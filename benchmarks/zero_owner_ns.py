@@ -55,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import hf_muon.optimizer.muon as muon_module
+    from hf_muon.kernels import orthogonalize
     from deepspeed.runtime.zero.muon import original_muon
     from hf_muon import Muon
 
@@ -79,8 +79,7 @@ def worker(args: argparse.Namespace) -> None:
 
     optimizer = None
     if args.optimizer == "hf_muon":
-        optimizer = Muon(model, lr=1e-2, weight_decay=0.01)
-        muon_module.orthogonalize = timed(muon_module.orthogonalize)
+        optimizer = Muon(model, lr=1e-2, weight_decay=0.01, orthogonalize_fn=timed(orthogonalize))
     elif args.optimizer == "deepspeed_muon":
         original_muon.muon_update = timed(original_muon.muon_update)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),

@@ -1,6 +1,7 @@
 """Muon vs AdamW on the same small Llama pretraining run ("make demo").
 
-Runs ``examples/pretrain_clm.py`` twice on its default corpus (the Python
+Runs ``examples/pretrain_clm.py`` (the packaged recipe
+``hf_muon.recipes.pretrain_clm`` as a script) twice on its default corpus (the Python
 standard library's source), with the same model, seed, data order, step count
 and cosine schedule with a short warmup; only the optimizer and its learning
 rate differ. The AdamW arm is a plain ``python examples/pretrain_clm.py ...``;
@@ -17,7 +18,7 @@ Examples::
 
     python examples/demo.py                       # 250 steps per arm, a few minutes on 2 CPU cores
     python examples/demo.py --steps 500 --muon_lr 2e-2 --output_dir runs/demo_500
-    python examples/demo.py --muon_optim adamw_torch   # dry run of the pipeline without hf_muon
+    python examples/demo.py --muon_optim adamw_torch   # dry run of the pipeline without Muon
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from transformers.training_args import OptimizerNames  # noqa: E402
+
+from hf_muon.recipes.curves import loss_curves, steps_to_reach  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = "examples/pretrain_clm.py"
@@ -65,7 +68,7 @@ def parse_args() -> argparse.Namespace:
         "--muon_optim",
         default="muon",
         help="--optim of the second run. Any optimizer the Trainer already knows (e.g. adamw_torch) "
-        "runs without the hf_muon runner, which lets you test the demo without hf_muon.",
+        "runs without the hf_muon runner, which lets you test the demo's pipeline without Muon.",
     )
     parser.add_argument("--warmup_steps", type=int, default=10, help="Linear warmup before the cosine decay.")
     parser.add_argument("--eval_steps", type=int, default=25, help="Evaluate every this many steps.")
@@ -83,10 +86,7 @@ def command_for(optim: str) -> list[str]:
 
 def read_curves(output_dir: Path) -> tuple[Curve, Curve]:
     """Train and eval loss curves from ``trainer_state.json``, one eval point per step."""
-    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
-    train = [(entry["step"], entry["loss"]) for entry in history if "loss" in entry]
-    evals = {entry["step"]: entry["eval_loss"] for entry in history if "eval_loss" in entry}
-    return train, sorted(evals.items())
+    return loss_curves(json.loads((output_dir / "trainer_state.json").read_text())["log_history"])
 
 
 def run(name: str, optim: str, learning_rate: float, args: argparse.Namespace) -> RunResult:
@@ -125,19 +125,6 @@ def run(name: str, optim: str, learning_rate: float, args: argparse.Namespace) -
     )
     print(f"[{name}] done in {wall_time:.0f} s, final eval loss {result.final_eval_loss:.4f}", flush=True)
     return result
-
-
-def steps_to_reach(curve: Curve, target: float) -> float | None:
-    """First step at which ``curve`` gets down to ``target``, linearly interpolated between evals."""
-    previous: tuple[int, float] | None = None
-    for step, loss in curve:
-        if loss <= target:
-            if previous is None:
-                return float(step)
-            previous_step, previous_loss = previous
-            return previous_step + (previous_loss - target) / (previous_loss - loss) * (step - previous_step)
-        previous = (step, loss)
-    return None
 
 
 def plot(runs: list[RunResult], target: float, reached_at: float | None, path: Path) -> None:

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Nothing may touch the network: every model is built from a config or shipped in a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -10,6 +12,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# `import hf_muon` would install its import hooks for the whole run; each test gets them from the
+# fixture below instead, and they are taken back after it (hf_muon.unregister).
+_previous = os.environ.get("HF_MUON_REGISTER")
+os.environ["HF_MUON_REGISTER"] = "0"
+import hf_muon  # noqa: E402
+
+if _previous is None:
+    del os.environ["HF_MUON_REGISTER"]
+else:
+    os.environ["HF_MUON_REGISTER"] = _previous
+
+
+@pytest.fixture(autouse=True)
+def hf_muon_hooks():
+    """hf_muon's registration (``--optim muon``, ``HfMuon`` for DeepSpeed, Accelerate's refusal) for one test."""
+    from hf_muon.integrations.import_hook import register_when_transformers_loads
+
+    register_when_transformers_loads()
+    yield
+    hf_muon.unregister()
 
 
 def minilm_path() -> str:

@@ -115,3 +115,50 @@ def test_owner_plan_keeps_a_tensor_where_it_lives_whole():
     whole_on_1 = type(flat_sharded((4, 4), False, 2))((4, 4), False, ((0, 0), (0, 16)))
     layouts = [whole_on_1, flat_sharded((8, 8), False, 2)]
     assert assign_owners(layouts, 2, 5)[0] == 1
+
+
+def test_owner_plan_costs_what_the_kernel_runs():
+    # One cost model: a layout's cost is the kernel's (Gram iterations for wide matrices, their bf16
+    # restarts), in the Newton–Schulz dtype, not a formula of its own.
+    import torch
+
+    from hf_muon.kernels import ns_flops, orthogonalize_flops, resolve_method
+
+    wide = replicated((512, 1536), False, 2)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert resolve_method(512, 1536, 5, dtype) == "gram"
+        assert wide.ns_flops(5, dtype) == ns_flops(512, 1536, 5, "gram", dtype) == orthogonalize_flops(512, 1536, 5, dtype)
+    assert wide.ns_flops(5, torch.bfloat16) > wide.ns_flops(5, torch.float32)  # the bf16 restart costs
+    assert wide.ns_flops(5) < 0.7 * ns_flops(512, 1536, 5, "standard")
+    experts = replicated((4, 32, 96), True, 2)
+    assert experts.ns_flops(5) == 4 * orthogonalize_flops(32, 96, 5)
+    layouts = [replicated((512, 512), False, 2), replicated((512, 1536), False, 2), replicated((512, 512), False, 2)]
+    for dtype in (torch.float32, torch.bfloat16):
+        owners = assign_owners(layouts, 2, 5, dtype)
+        assert owners == assign_owners(layouts, 2, 5, dtype)  # deterministic
+        load = ns_load(layouts, owners, 2, 5, dtype)
+        assert sum(load) == sum(layout.ns_flops(5, dtype) for layout in layouts)
+
+
+def test_owner_plan_dtype_does_not_depend_on_this_cpu(monkeypatch):
+    # Ranks on different CPUs (one with bf16 matmul, one without) must plan the same owners.
+    import torch
+
+    from hf_muon.optimizer import muon
+
+    for native in (False, True):
+        monkeypatch.setattr(muon, "cpu_multiplies_bf16_natively", lambda: native)
+        assert muon.plan_ns_dtype(None) == torch.bfloat16
+        assert muon.plan_ns_dtype("fp32") == torch.float32
+
+
+@pytest.mark.parametrize("mode", ["new_group", "per_rank"])
+def test_ddp_exchange_runs_over_the_given_process_group(tmp_path, mode):
+    r = run_same_answer(tmp_path, "ddp", "--process_group", mode)
+    assert max(r["max_rel_diff"]) <= 1e-5
+    if mode == "new_group":  # a group of all ranks: the default world's behaviour
+        assert sum(r["ns_calls"]) == r["muon_tensors"] * r["steps"]
+        assert all(sent > 0 for sent in r["bytes_sent"])
+    else:  # each rank its own group: nothing exchanged, every rank orthogonalizes every matrix
+        assert r["ns_calls"] == [r["muon_tensors"] * r["steps"]] * r["world"]
+        assert r["bytes_sent"] == r["bytes_received"] == [0] * r["world"]

@@ -314,3 +314,162 @@ def test_import_is_cheap_and_does_not_import_deepspeed():
     code = "import sys, hf_muon; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_orthogonalize_fn_is_injectable():
+    from hf_muon.kernels import orthogonalize
+
+    calls = []
+
+    def counting(G, steps, coefficients, dtype):
+        calls.append((tuple(G.shape), steps, coefficients, dtype))
+        return orthogonalize(G, steps, coefficients, dtype)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 16))
+    reference = copy.deepcopy(model)
+    batches = [torch.randn(5, 8) for _ in range(3)]
+    _train(model, Muon(model, lr=1e-2, ns_dtype=torch.float32, orthogonalize_fn=counting), batches)
+    _train(reference, Muon(reference, lr=1e-2, ns_dtype=torch.float32), batches)
+    # one batched call per shape per step: (16, 8) alone, the two 16 x 16 together
+    assert sorted(calls[:2]) == [((1, 16, 8), 5, "quintic", torch.float32), ((2, 16, 16), 5, "quintic", torch.float32)]
+    assert len(calls) == 2 * len(batches)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    with pytest.raises(TypeError, match="orthogonalize_fn"):
+        Muon(model, orthogonalize_fn="quintic")
+
+
+def test_zero_init_hidden_shapes_are_read_through_the_provider():
+    # zero.Init leaves p.shape [0] and keeps the real one in ds_shape: still a hidden matrix for Muon
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    for p in model.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    opt = Muon(model)
+    assert {g["algorithm"]: len(g["params"]) for g in opt.param_groups} == {"muon": 1, "adamw": 3}
+
+
+def test_a_registered_layout_provider_binds_flat_tensors():
+    # The optimizer knows no backend: any provider that recognises a flat tensor drives it.
+    from hf_muon.distributed.layout import replicated
+    from hf_muon.distributed.providers import FlatPartition, LayoutProvider, register_provider, unregister_provider
+
+    torch.manual_seed(0)
+    shapes = [(6, 4), (3, 5), (6, 4)]
+    matrices = [nn.Parameter(torch.randn(s)) for s in shapes]
+    reference = [nn.Parameter(m.detach().clone()) for m in matrices]
+    flat = nn.Parameter(torch.cat([m.detach().reshape(-1) for m in matrices]))
+
+    class Flattener(LayoutProvider):
+        name = "toy flattener"
+
+        def bind(self, t, group_matrices, stacked):
+            if t is not flat:
+                return None
+            assert group_matrices == matrices
+            offsets = [0]
+            for s in shapes:
+                offsets.append(offsets[-1] + math.prod(s))
+            spans = tuple((o, math.prod(s)) for o, s in zip(offsets, shapes))
+            return FlatPartition(spans, tuple(replicated(s, stacked, 1) for s in shapes), None, 0, 1, self.name)
+
+    provider = Flattener()
+    register_provider(provider)
+    try:
+        kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+        opt = Muon([{"params": matrices, "algorithm": "muon"}], **kw)
+        ref = Muon([{"params": reference, "algorithm": "muon"}], **kw)
+        opt.param_groups[0]["params"] = [flat]  # what a backend that flattens does
+        for _ in range(3):
+            grads = [torch.randn(s) for s in shapes]
+            flat.grad = torch.cat([g.reshape(-1) for g in grads])
+            for r, g in zip(reference, grads):
+                r.grad = g.clone()
+            opt.step()
+            ref.step()
+        assert set(opt.state[flat]) == {"momentum_buffer"}  # state keyed by, and shaped like, the flat tensor
+        assert torch.allclose(flat.detach(), torch.cat([r.detach().reshape(-1) for r in reference]), atol=1e-6)
+    finally:
+        unregister_provider(provider)
+
+
+def test_optimizer_and_lower_layers_import_no_integration():
+    # Layers point one way: kernels <- distributed <- optimizer <- integrations (only the root
+    # package wires a provider in, by module path).
+    import ast
+    import pathlib
+
+    import hf_muon
+
+    root = pathlib.Path(hf_muon.__file__).parent
+    forbidden = {"kernels": ("integrations", "optimizer", "distributed", "deepspeed"),
+                 "distributed": ("integrations", "optimizer", "deepspeed"),
+                 "optimizer": ("integrations", "deepspeed")}
+    for layer, banned in forbidden.items():
+        for path in (root / layer).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    names = [("." * node.level) + (node.module or "")]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    parts = name.lstrip(".").split(".")
+                    assert not any(b in parts for b in banned), f"{path.name} imports {name}"
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_process_group_is_used_for_replicated_parameters(gloo_world_of_one, monkeypatch):
+    from hf_muon.optimizer import muon
+
+    dist = gloo_world_of_one
+    group = dist.new_group([0])
+    seen = []
+    real = muon.make_exchange
+    monkeypatch.setattr(muon, "make_exchange", lambda *a: seen.append(a[-1]) or real(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    batches = [torch.randn(5, 8) for _ in range(3)]
+    opt = Muon(model, lr=1e-2, process_group=group)
+    assert opt.process_group is group
+    _train(model, opt, batches)
+    _train(reference, Muon(reference, lr=1e-2, distributed=False), batches)
+    assert seen and all(g is group for g in seen)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    with pytest.raises(ValueError, match="distributed=True"):
+        Muon(model, process_group=group, distributed=False)
+
+
+def test_process_group_needs_torch_distributed():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(ValueError, match="not initialized"):
+        Muon(nn.Linear(4, 4), process_group=object())
+
+
+def test_a_renamed_deepspeed_internal_gives_a_clear_error():
+    from hf_muon.integrations.compat import IncompatibleVersionError
+    from hf_muon.integrations.deepspeed_zero import PROVIDER
+
+    class RenamedStage3:  # a ZeRO-3 optimizer of a DeepSpeed that renamed its flat partitions
+        fp32_flat_groups = []
+
+    p = nn.Parameter(torch.zeros(4, 4))
+    p._z3_optimizer = RenamedStage3()
+    with pytest.raises(IncompatibleVersionError, match="fp32_partitioned_groups_flat.*tested with"):
+        PROVIDER.bind(torch.zeros(8), [p], False)
+    assert PROVIDER.bind(torch.zeros(8), [nn.Parameter(torch.zeros(4, 4))], False) is None  # not DeepSpeed's

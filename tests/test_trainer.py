@@ -1,4 +1,8 @@
-"""--optim muon in TrainingArguments, HfArgumentParser and Trainer, in-process and through hf_muon.run."""
+"""--optim muon in TrainingArguments, HfArgumentParser and Trainer, in-process and through hf_muon.run.
+
+The hooks are installed for each test by conftest's ``hf_muon_hooks`` fixture and taken back after it.
+How registration reaches processes that never import hf_muon: tests/test_registration.py.
+"""
 
 import os
 import pickle
@@ -8,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import hf_muon  # noqa: F401  (registers muon as transformers loads)
 from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
@@ -64,12 +67,68 @@ def test_trainer_builds_muon_with_its_hyperparameters(tmp_path):
     ("ns_steps=five", "not a valid value"),
     ("nesterov=maybe", "not a valid value"),
 ])
-def test_bad_optim_args_raise(tmp_path, bad, message):
+def test_bad_optim_args_raise(bad, message):
     with pytest.raises(ValueError, match=message):
         parse_optim_args(bad)
-    args = TrainingArguments(output_dir=str(tmp_path), optim="muon", optim_args=bad, report_to="none")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("momentum=0.9,warp=9", "not a Muon setting"),
+    ("ns_steps=five", "not a valid value"),
+    ("momentum=1.5", "momentum must be in"),
+    ("ns_steps=0", "ns_steps must be"),
+    ("ns_coefficients=cubic", "ns_coefficients must be one of"),
+    ("ns_dtype=int8", "ns_dtype must be one of"),
+    ("adjust_lr=spectral", "adjust_lr must be one of"),
+    ("adamw_lr=-1", "adamw_lr must be >= 0"),
+    ("force_adamw=lm_head[", "not a valid regular expression"),
+])
+def test_optim_args_mistakes_stop_training_arguments(tmp_path, bad, message):
+    # before any data or model work: TrainingArguments itself refuses, saying what is wrong
     with pytest.raises(ValueError, match=message):
+        TrainingArguments(output_dir=str(tmp_path), optim="muon", optim_args=bad, report_to="none")
+    with pytest.raises(ValueError, match=message):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--optim", "muon", "--optim_args", bad])
+    # other optimizers keep their own optim_args untouched
+    TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", optim_args=bad, report_to="none")
+
+
+def test_building_the_optimizer_says_what_it_built(tmp_path):
+    import logging
+
+    logger = logging.getLogger("hf_muon")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)  # a handler of the user's: hf_muon then adds none of its own
+    level = logger.level
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), optim="muon", learning_rate=1e-2, report_to="none",
+                                 optim_args="adamw_lr=1e-3,ns_dtype=float32")
+        logger.setLevel(logging.INFO)
         Trainer(model=tiny_llama(), args=args).create_optimizer()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "Muon 14 tensors" in line and "AdamW 7 tensors" in line, line
+    assert "in float32" in line and "lr 0.01 (Muon" in line and "0.001 (AdamW)" in line, line
+
+
+def test_a_trainer_run_prints_the_line_on_rank_0(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import hf_muon, sys; sys.path.insert(0, 'tests'); from test_trainer import tiny_llama; "
+            "from transformers import Trainer, TrainingArguments; "
+            f"args = TrainingArguments(output_dir={str(tmp_path)!r}, optim='muon', report_to='none'); "
+            "Trainer(model=tiny_llama(), args=args).create_optimizer()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [l for l in proc.stderr.splitlines() if l.startswith("[hf_muon] Muon 14 tensors")], proc.stderr[-2000:]
 
 
 def test_other_optimizers_still_work(tmp_path):
@@ -100,46 +159,3 @@ def test_trainer_end_to_end_lowers_eval_loss_and_keeps_the_right_state(tmp_path)
             assert set(opt.state[p]) == expected
     muon_count = sum(len(g["params"]) for g in opt.param_groups if g["algorithm"] == "muon")
     assert muon_count == 2 * 7
-
-
-def run(cmd, env_extra=None, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "HF_MUON_REGISTER"}
-    env.update(env_extra or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def check_trained_with_muon(out):
-    assert "OPTIMIZER=hf_muon.optimizer.muon.Muon" in out
-    line = next(l for l in out.splitlines() if l.startswith("EVAL_LOSS_BEFORE"))
-    before, after = (float(part.split("=")[1]) for part in line.split())
-    assert after < before
-
-
-def test_unmodified_script_fails_without_the_runner(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "HF_MUON_REGISTER"}
-    proc = subprocess.run([sys.executable, TINY, "--output_dir", str(tmp_path), "--optim", "muon", *TINY_ARGS],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert proc.returncode != 0 and "muon" in proc.stderr
-
-
-def test_runner_registers_for_an_unmodified_script(tmp_path):
-    out = run([sys.executable, "-m", "hf_muon.run", TINY, "--output_dir", str(tmp_path), "--optim", "muon", *TINY_ARGS])
-    check_trained_with_muon(out)
-
-
-def test_runner_reaches_a_child_process_the_script_starts(tmp_path):
-    # relaunch.py never parses --optim; the Python it starts does. Only the environment travels.
-    relaunch = os.path.join(HERE, "scripts", "relaunch.py")
-    out = run([sys.executable, "-m", "hf_muon.run", relaunch, "--output_dir", str(tmp_path), "--optim", "muon",
-               *TINY_ARGS])
-    check_trained_with_muon(out)
-
-
-def test_runner_through_accelerate_launch(tmp_path):
-    # `accelerate launch` is itself a CLI that starts the training script in a new Python process.
-    out = run([sys.executable, "-m", "hf_muon.run", "-m", "accelerate.commands.launch", "--cpu",
-               "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               TINY, "--output_dir", str(tmp_path), "--optim", "muon", *TINY_ARGS])
-    check_trained_with_muon(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -36,23 +37,10 @@ def standard_ns_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> i
     return sum(ns_flops(r, c, steps, "standard") for r, c in shapes)
 
 
-@contextlib.contextmanager
-def ns_method(method: str):
-    """Make ``hf_muon.Muon`` run Newton–Schulz with ``method`` (the "before" row uses "standard")."""
-    from ..kernels import newton_schulz
-    from ..optimizer import muon as muon_module
-
-    original = muon_module.orthogonalize
-    muon_module.orthogonalize = functools.partial(newton_schulz.orthogonalize, method=method)
-    try:
-        yield
-    finally:
-        muon_module.orthogonalize = original
-
-
 def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.Optimizer, Callable[[], Any]]:
     """The contender ``name`` on ``params`` (all hidden matrices) and a factory of the context each of
     its steps runs in."""
+    from ..kernels import orthogonalize
     from ..optimizer.muon import Muon
 
     lr, wd = 1e-3, 0.01
@@ -63,8 +51,9 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.O
     group = [{"params": params, "algorithm": "muon"}]
     if name == HF_MUON:
         return Muon(group, lr=lr, weight_decay=wd), contextlib.nullcontext
-    if name == HF_MUON_BEFORE:
-        return Muon(group, lr=lr, weight_decay=wd), functools.partial(ns_method, "standard")
+    if name == HF_MUON_BEFORE:  # the kernel as it was: standard iterations for every shape
+        standard = functools.partial(orthogonalize, method="standard")
+        return Muon(group, lr=lr, weight_decay=wd, orthogonalize_fn=standard), contextlib.nullcontext
     if name == HF_MUON_FP32:
         return Muon(group, lr=lr, weight_decay=wd, ns_dtype=torch.float32), contextlib.nullcontext
     raise ValueError(name)
@@ -236,10 +225,24 @@ def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtyp
     return {"dtype": str(dtype).replace("torch.", ""), "steps": NS_STEPS, "per_shape": rows, "total": totals}
 
 
-def _torch_muon_ns(g: torch.Tensor) -> torch.Tensor:
-    from torch.optim import _muon
+def torch_muon_ns(g: torch.Tensor) -> torch.Tensor:
+    """``torch.optim.Muon``'s orthogonalization of ``g``, measured through its public API.
 
-    return _muon._zeropower_via_newtonschulz(g, (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C), NS_STEPS, 1e-7)
+    One step with momentum 0 (the buffer becomes ``g``), no Nesterov blend, no weight decay,
+    ``adjust_lr_fn="original"`` and lr 1 on a zero parameter whose gradient is ``g`` leaves the
+    parameter at ``-scale * NS(g)``, ``scale = sqrt(max(1, rows / cols))``: ``NS(g)`` is read back
+    from it (exactly when ``scale`` is 1, to an fp32 rounding otherwise). Its Newton–Schulz runs in
+    bf16 with the optimizer's defaults (quintic coefficients, ``NS_STEPS`` steps, its eps)."""
+    if g.ndim != 2:
+        raise ValueError(f"torch.optim.Muon orthogonalizes 2-D matrices, got shape {tuple(g.shape)}")
+    param = nn.Parameter(torch.zeros_like(g, dtype=torch.float32))
+    param.grad = g.detach().to(torch.float32).clone()
+    opt = torch.optim.Muon([param], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False, ns_steps=NS_STEPS,
+                           adjust_lr_fn="original")
+    opt.step()
+    rows, cols = g.shape
+    scale = math.sqrt(max(1.0, rows / cols))
+    return param.detach().neg() / scale
 
 
 def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -250,7 +253,7 @@ def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torc
     other = f32 if shipped == bf16 else bf16
     name, other_name = (str(d).replace("torch.", "") for d in (shipped, other))
     return {
-        "torch.optim.Muon (quintic, bf16, 5 steps)": _torch_muon_ns,
+        "torch.optim.Muon (quintic, bf16, 5 steps)": torch_muon_ns,
         f"hf_muon shipped on this CPU (quintic, {name}, Gram for wide, 5 steps)":
             lambda g: orthogonalize(g, 5, "quintic", shipped),
         f"hf_muon before (quintic, {name}, standard, 5 steps)":

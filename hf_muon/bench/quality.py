@@ -1,6 +1,7 @@
-"""Figure 5: training quality. A learning-rate sweep on ``examples/pretrain_clm.py``'s default corpus
-with the same grid, seeds, steps and schedule for AdamW (``adamw_torch``) and ``hf_muon.Muon``
-(``muon``).
+"""Figure 5: training quality. A learning-rate sweep on the pretraining recipe
+(:mod:`hf_muon.recipes.pretrain_clm`, or a script passed with ``--pretrain_script``) and its default
+corpus, with the same grid, seeds, steps and schedule for AdamW (``adamw_torch``) and
+``hf_muon.Muon`` (``muon``).
 
 The runs are split over ``lanes`` worker processes (:mod:`hf_muon.bench.quality_worker`) that run
 at the same time with ``cpu_count // lanes`` threads each. The best learning rate of each optimizer
@@ -20,24 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import child_env, progress, run_child, summarize
+from ..recipes.curves import Curve, steps_to_reach  # noqa: F401  (steps_to_reach: re-exported)
+from .common import child_env, progress, run_child, summarize  # noqa: F401
 
 OPTIMS = {"adamw_torch": "AdamW", "muon": "hf_muon.Muon"}
 
-Curve = list[tuple[float, float]]
-
-
-def steps_to_reach(curve: Curve, target: float) -> float | None:
-    """First step at which ``curve`` gets down to ``target``, interpolated linearly between evals."""
-    previous = None
-    for step, loss in curve:
-        if loss <= target:
-            if previous is None:
-                return float(step)
-            step0, loss0 = previous
-            return step0 + (loss0 - target) / (loss0 - loss) * (step - step0)
-        previous = (step, loss)
-    return None
+RECIPE = "hf_muon.recipes.pretrain_clm"  # the packaged recipe, trained unless cfg["script"] names a script
 
 
 def median_or_none(values: list[float | None]) -> float | None:
@@ -55,9 +44,13 @@ def median_curve(curves: list[Curve]) -> Curve:
 
 
 def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    script = Path(cfg["script"])
-    if not script.is_file():
-        return {"failed": f"{script} not found: run `hf-muon bench` from the repository root or pass --examples_dir"}
+    """The sweep of ``cfg`` (``lrs``, ``seeds``, ``lanes``, ``timeout_s``, ``model``, ``data``,
+    ``training``; ``script``: a training script defining the recipe's names, ``None`` for the
+    packaged recipe), its logs and job files in ``out_dir``."""
+    script = Path(cfg["script"]).resolve() if cfg.get("script") else None
+    if script is not None and not script.is_file():
+        return {"failed": f"--pretrain_script {cfg['script']}: no such file"}
+    cfg["recipe"] = str(script) if script is not None else RECIPE
     runs = [{"optim": o, "lr": lr, "seed": seed} for seed in cfg["seeds"] for lr in cfg["lrs"] for o in OPTIMS]
     lanes = max(1, min(cfg["lanes"], len(runs)))
     threads = max(1, (os.cpu_count() or 1) // lanes)
@@ -72,8 +65,8 @@ def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         out = out_dir / f"lane{lane}.jsonl"
         out.unlink(missing_ok=True)
         log = (out_dir / f"lane{lane}.log").open("w")
-        cmd = [sys.executable, "-m", "hf_muon.bench.quality_worker", "--script", str(script),
-               "--runs", str(out_dir / f"lane{lane}.json"), "--out", str(out)]
+        cmd = [sys.executable, "-m", "hf_muon.bench.quality_worker", "--runs", str(out_dir / f"lane{lane}.json"),
+               "--out", str(out)] + (["--script", str(script)] if script is not None else [])
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(threads),
                                        start_new_session=True), log, out))
     bar = progress(len(runs), "fig 5: learning-rate sweep", "run")

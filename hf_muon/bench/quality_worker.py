@@ -1,17 +1,20 @@
-"""Worker of figure 5: ``examples/pretrain_clm.py`` training runs, several in one process.
+"""Worker of figure 5: pretraining-recipe training runs, several in one process.
 
-    python -m hf_muon.bench.quality_worker --script examples/pretrain_clm.py --runs runs.json --out lane0.jsonl
+    python -m hf_muon.bench.quality_worker --runs runs.json --out lane0.jsonl [--script my_pretrain_clm.py]
 
-Each run is what ``python -m hf_muon.run examples/pretrain_clm.py --optim OPTIM --learning_rate LR
---seed SEED ...`` does: the script's own model (``ModelArguments``), its default corpus
+Each run is what ``python -m hf_muon.run -m hf_muon.recipes.pretrain_clm --optim OPTIM --learning_rate LR
+--seed SEED ...`` does: the recipe's own model (``ModelArguments``), its default corpus
 (``build_datasets``: the Python standard library's source), its ``TRAINING_DEFAULTS`` and a
-``Trainer``; only the run's flags differ. Running them in one process saves the import and
-tokenization of every run. One JSON line per finished run: final eval loss and the eval curve.
+``Trainer``; only the run's flags differ. ``--script`` trains a script that defines those names
+instead of the packaged recipe (``examples/pretrain_clm.py`` does). Running them in one process
+saves the import and tokenization of every run. One JSON line per finished run: final eval loss
+and the eval curve.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import sys
@@ -22,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 
-def load_script(path: Path):
+RECIPE = "hf_muon.recipes.pretrain_clm"
+
+
+def load_recipe(path: Path | None):
+    """The packaged recipe, or the script at ``path`` loaded as a module."""
+    if path is None:
+        return importlib.import_module(RECIPE)
     spec = importlib.util.spec_from_file_location("pretrain_clm", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["pretrain_clm"] = module
@@ -32,7 +41,8 @@ def load_script(path: Path):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--script", required=True, type=Path)
+    parser.add_argument("--script", type=Path, default=None,
+                        help=f"a training script defining the names the worker uses (default: {RECIPE})")
     parser.add_argument("--runs", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
@@ -43,8 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(int(job["threads"]))
     import hf_muon  # noqa: F401  (registers --optim muon, as the hf_muon.run runner does)
 
-    clm = load_script(args.script)
+    clm = load_recipe(args.script)
     from transformers import Trainer, TrainingArguments, default_data_collator, set_seed
+
+    from ..recipes.curves import loss_curves
 
     common = {**clm.TRAINING_DEFAULTS, **job["training"]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,9 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                                   eval_dataset=eval_dataset, data_collator=default_data_collator)
                 trainer.train()
                 final = trainer.evaluate()["eval_loss"]
-                history = trainer.state.log_history
-                curve = sorted({e["step"]: e["eval_loss"] for e in history if "eval_loss" in e}.items())
-                train_curve = [(e["step"], e["loss"]) for e in history if "loss" in e]
+                train_curve, curve = loss_curves(trainer.state.log_history)
                 record.update(final_eval_loss=final, eval_curve=curve, train_curve=train_curve,
                               parameters=model.num_parameters())
                 del trainer, model

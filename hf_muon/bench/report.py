@@ -544,7 +544,7 @@ def _fig5_md(q: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
         return out + [f"failed: {q['failed']}", ""]
     c = q["config"]
     t = c["training"]
-    out += [f"`{c['script']}` on its default corpus (the Python standard library's source), model flags "
+    out += [f"`{c.get('recipe') or c.get('script')}` on its default corpus (the Python standard library's source), model flags "
             f"{c.get('model') or 'default'}, data flags {c.get('data') or 'default'}; {t['max_steps']} steps, "
             f"{t.get('lr_scheduler_type')} schedule, {t.get('warmup_steps')} warm-up steps, eval every "
             f"{t.get('eval_steps')} steps; the same grid {c['lrs']} and seeds {c['seeds']} for both. "

@@ -5,8 +5,10 @@
     hf-muon bench --only fig1,fig3        # some figures only (fig1, fig2_4, fig3, fig5)
     hf-muon bench --from_results runs/bench/results.json   # rebuild report.md and PNGs, measure nothing
 
-Run it from the repository root: figure 5 trains ``examples/pretrain_clm.py`` (``--examples_dir``
-elsewhere). Figures 2 and 4 start ``torchrun`` with DeepSpeed on the CPU (``DS_ACCELERATOR=cpu``).
+It runs from any directory: figure 5 trains the packaged pretraining recipe
+(``hf_muon.recipes.pretrain_clm``; ``--pretrain_script my_pretrain_clm.py`` trains a script of your own
+that defines the same names, as ``examples/pretrain_clm.py`` does). Figures 2 and 4 start ``torchrun``
+with DeepSpeed on the CPU (``DS_ACCELERATOR=cpu``).
 A part that fails is reported as ``failed: <reason>``; the others still run.
 """
 
@@ -80,8 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output_dir", type=Path, default=None,
                         help="where results.json, report.md and the PNGs go (default runs/bench or runs/bench_quick)")
     parser.add_argument("--only", default=",".join(FIGURES), help=f"comma-separated subset of {','.join(FIGURES)}")
-    parser.add_argument("--examples_dir", type=Path, default=Path("examples"),
-                        help="folder holding pretrain_clm.py (figure 5)")
+    parser.add_argument("--pretrain_script", type=Path, default=None,
+                        help="figure 5: train this script instead of the packaged recipe hf_muon.recipes.pretrain_clm "
+                             "(it must define TRAINING_DEFAULTS, ModelArguments, DataArguments, build_datasets and "
+                             "build_model as that module does)")
+    # before the recipe was packaged: figure 5 trained EXAMPLES_DIR/pretrain_clm.py
+    parser.add_argument("--examples_dir", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--from_results", type=Path, default=None,
                         help="measure nothing: rebuild report.md and the PNGs from this results.json (into its folder)")
 
@@ -118,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     preset = copy.deepcopy(QUICK if args.quick else FULL)
     out_dir = args.output_dir or Path("runs/bench_quick" if args.quick else "runs/bench")
     out_dir.mkdir(parents=True, exist_ok=True)
-    preset["fig5"]["script"] = str(args.examples_dir / "pretrain_clm.py")
+    script = args.pretrain_script or (args.examples_dir / "pretrain_clm.py" if args.examples_dir else None)
+    preset["fig5"]["script"] = str(script.resolve()) if script is not None else None
 
     from .common import loadavg, machine_info
 

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import resource
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -41,7 +39,8 @@ COUNTER = commcount.install()  # before deepspeed is imported anywhere in this p
 
 import torch  # noqa: E402
 
-BYTE_VOCAB, EOS_ID, PAD_ID = 256, 256, 257
+from ..recipes.corpus import EOS_ID, PAD_ID, VOCAB_SIZE, stdlib_files  # noqa: E402
+
 CONTENDER_LABELS = {
     "adamw": "AdamW",
     "hf_muon": "hf_muon.Muon",
@@ -51,24 +50,9 @@ CONTENDER_LABELS = {
 
 
 # ---------------------------------------------------------------------------------------- data, model
-def stdlib_files(megabytes: float) -> list[Path]:
-    """The default corpus of examples/pretrain_clm.py: stdlib ``.py`` files in a hash order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skipped = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    names = sorted((p.relative_to(root).as_posix() for p in root.rglob("*.py")
-                    if not skipped & set(p.relative_to(root).parts)),
-                   key=lambda n: hashlib.md5(n.encode()).hexdigest())
-    files, budget = [], int(megabytes * 1e6)
-    for name in names:
-        if budget <= 0:
-            break
-        files.append(root / name)
-        budget -= (root / name).stat().st_size
-    return files
-
-
 class ByteBlocks(torch.utils.data.Dataset):
-    """Byte-level tokens of the corpus, cut into ``seq_len`` blocks (labels = inputs, as causal LM)."""
+    """Byte-level tokens of the pretraining recipe's default corpus (:func:`hf_muon.recipes.corpus.stdlib_files`:
+    its train and eval files together), cut into ``seq_len`` blocks (labels = inputs, as causal LM)."""
 
     def __init__(self, seq_len: int, megabytes: float) -> None:
         ids: list[int] = []
@@ -89,7 +73,7 @@ def build_model(m: dict[str, Any], seq_len: int, seed: int):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=BYTE_VOCAB + 2, hidden_size=m["hidden_size"], num_hidden_layers=m["num_layers"],
+        vocab_size=VOCAB_SIZE, hidden_size=m["hidden_size"], num_hidden_layers=m["num_layers"],
         num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
         intermediate_size=m["intermediate_size"], max_position_embeddings=max(seq_len, 256),
         tie_word_embeddings=False, eos_token_id=EOS_ID, bos_token_id=None, pad_token_id=PAD_ID, use_cache=False,

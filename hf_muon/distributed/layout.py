@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from ..kernels.newton_schulz import orthogonalize_flops
+
 
 @dataclass(frozen=True)
 class TensorLayout:
@@ -30,11 +34,11 @@ class TensorLayout:
             return math.prod(self.shape[:-2]), self.shape[-2], self.shape[-1]
         return 1, self.shape[0], self.numel // self.shape[0]
 
-    def ns_flops(self, steps: int) -> float:
-        """Newton–Schulz FLOPs: per iteration ``X X^T``, ``A A`` and ``B X`` with ``m <= n``."""
+    def ns_flops(self, steps: int, dtype: torch.dtype = torch.float32) -> float:
+        """FLOPs the kernel runs to orthogonalize this tensor in ``dtype`` (the kernel's own cost
+        model: Gram iterations for wide matrices, their bf16/fp16 restarts), one run per matrix."""
         batch, rows, cols = self.matrix_shape
-        m, n = min(rows, cols), max(rows, cols)
-        return batch * steps * (4.0 * m * m * n + 2.0 * m**3)
+        return float(batch * orthogonalize_flops(rows, cols, steps, dtype))
 
     def holds(self, rank: int) -> bool:
         start, end = self.ranges[rank]

@@ -1,9 +1,10 @@
 """Recognise how the tensors ``step()`` is given are distributed, and build their exchange.
 
-Told apart from the tensors themselves: FSDP2 ``DTensor`` parameters sharded on dim 0; plain
-tensors while ``torch.distributed`` runs with several ranks (DDP: every rank holds the same
-all-reduced gradient); anything else is single-process and needs no exchange. DeepSpeed ZeRO's
-flat partitions are read by ``hf_muon.integrations.deepspeed_zero`` and use ``exchange_over``.
+Told apart from the tensors themselves: FSDP2 ``DTensor`` parameters sharded on dim 0 (over their
+mesh's group); plain tensors while ``torch.distributed`` runs with several ranks (DDP: every rank
+holds the same all-reduced gradient; over the default world, or the process group the optimizer was
+given); anything else is single-process and needs no exchange. Flat partitions a backend hands over
+(DeepSpeed ZeRO) are described by a layout provider (see ``providers``) and use ``exchange_over``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def process_group_of(params: list[Tensor]) -> tuple[dist.ProcessGroup | None, int, int] | None:
-    """``(group, rank, world)`` the tensors are spread over, or ``None`` when single-process."""
+def process_group_of(
+    params: list[Tensor], process_group: dist.ProcessGroup | None = None
+) -> tuple[dist.ProcessGroup | None, int, int] | None:
+    """``(group, rank, world)`` the tensors are spread over, or ``None`` when single-process.
+
+    ``DTensor``s use their mesh's group; replicated tensors use ``process_group`` (default: the
+    world)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     sharded = [p for p in params if is_dtensor(p)]
@@ -52,8 +58,13 @@ def process_group_of(params: list[Tensor]) -> tuple[dist.ProcessGroup | None, in
         if len(sharded) != len(params):
             raise ValueError("a Muon param group mixes DTensor and plain tensors; shard the whole model with FSDP2")
         return mesh.get_group(), mesh.get_local_rank(), mesh.size()
-    world = dist.get_world_size()
-    return (None, dist.get_rank(), world) if world > 1 else None
+    world = dist.get_world_size(process_group)
+    return (process_group, dist.get_rank(process_group), world) if world > 1 else None
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` (``None``: the default world)."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
 def layouts_of(params: list[Tensor], stacked: bool, world: int) -> list[TensorLayout]:
@@ -70,9 +81,12 @@ def exchange_over(
     stats: ExchangeStats,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     comm_dtype: torch.dtype | None = None,
+    ns_dtype: torch.dtype = torch.float32,
 ) -> Callable:
-    """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``."""
-    owners = assign_owners(layouts, world, ns_steps)
+    """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``.
+
+    ``ns_dtype`` is the Newton–Schulz dtype the owner plan costs; it must be the same on every rank."""
+    owners = assign_owners(layouts, world, ns_steps, ns_dtype)
 
     def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
         pieces = [b.reshape(-1) for b in blended]
@@ -92,19 +106,23 @@ def make_exchange(
     stats: ExchangeStats,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     comm_dtype: torch.dtype | None = None,
+    ns_dtype: torch.dtype = torch.float32,
+    process_group: dist.ProcessGroup | None = None,
 ) -> Callable | None:
-    """The exchange for whole or FSDP2-sharded ``params``, or ``None`` in a single process."""
-    where = process_group_of(params)
+    """The exchange for whole or FSDP2-sharded ``params``, or ``None`` in a single process.
+
+    Replicated ``params`` are exchanged over ``process_group`` (default: the world)."""
+    where = process_group_of(params, process_group)
     if where is None:
         return None
     group, rank, world = where
     return exchange_over(layouts_of(params, stacked, world), group, rank, world, ns_steps, stats, bucket_bytes,
-                         comm_dtype)
+                         comm_dtype, ns_dtype)
 
 
-def all_ranks_agree(flag: bool, params: list[Tensor]) -> bool:
+def all_ranks_agree(flag: bool, params: list[Tensor], process_group: dist.ProcessGroup | None = None) -> bool:
     """``flag`` and-ed over the ranks ``params`` are spread over (a no-op in a single process)."""
-    where = process_group_of(params)
+    where = process_group_of(params, process_group)
     if where is None:
         return flag
     t = torch.tensor([1 if flag else 0], device=local(params[0]).device)

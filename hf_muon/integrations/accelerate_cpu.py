@@ -11,9 +11,10 @@ Without an accelerator, Accelerate (1.16, checked) and Trainer get a multi-rank 
 * FSDP (``accelerate launch --use_fsdp`` or ``--fsdp``): Accelerate turns FSDP on only for accelerator
   worlds (``MULTI_GPU``, ``MULTI_XPU``...), so on CPU the model is not sharded at all.
 
-So wherever hf_muon's registration is active (the ``hf_muon.run`` runner, ``HF_MUON_REGISTER=1``, or
-``import hf_muon`` before ``TrainingArguments`` exist), :func:`patch_training_args` makes
-``TrainingArguments`` first create the ``PartialState`` those launches need, over gloo:
+So wherever hf_muon's registration is active (``--optim muon``, the ``hf_muon.run`` runner,
+``HF_MUON_REGISTER=1``, or ``import hf_muon`` before ``TrainingArguments`` exist),
+:func:`prepare_training_args`, run at the start of ``TrainingArguments.__post_init__`` (see
+``integrations/transformers.py``), first creates the ``PartialState`` those launches need, over gloo:
 
 * DeepSpeed: ``PartialState(backend="gloo")`` while ``ACCELERATE_USE_DEEPSPEED=true``, so DeepSpeed's
   ``init_distributed`` runs and the state has DeepSpeed's rank and world size;
@@ -35,8 +36,9 @@ import json
 import os
 import sys
 from datetime import timedelta
-from types import ModuleType
 from typing import Any
+
+from .compat import internal
 
 ENV_SWITCH = "HF_MUON_CPU_DISTRIBUTED"
 DEEPSPEED, FSDP, DDP = "deepspeed", "fsdp", "ddp"
@@ -82,7 +84,7 @@ def needs_cpu_state(args: Any) -> str | None:
         return None
     from accelerate.state import PartialState
 
-    if PartialState._shared_state != {} or accelerator_available():
+    if internal(PartialState, "_shared_state", "accelerate") != {} or accelerator_available():
         return None
     return kind
 
@@ -169,20 +171,3 @@ def prepare_training_args(args: Any) -> str | None:
     init_cpu_state(kind, getattr(args, "ddp_timeout", None))
     args.accelerator_config = _use_configured_state(args.accelerator_config)
     return kind
-
-
-def patch_training_args(training_args: ModuleType) -> None:
-    """Run :func:`prepare_training_args` at the start of ``TrainingArguments.__post_init__`` (idempotent)."""
-    cls = training_args.TrainingArguments
-    original = cls.__post_init__
-    if getattr(original, "_hf_muon", False):
-        return
-
-    def __post_init__(self: Any, *a: Any, **kw: Any) -> None:
-        prepare_training_args(self)
-        original(self, *a, **kw)
-
-    __post_init__._hf_muon = True  # type: ignore[attr-defined]
-    __post_init__.__doc__ = original.__doc__
-    __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
-    cls.__post_init__ = __post_init__

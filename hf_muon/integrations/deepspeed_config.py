@@ -17,7 +17,8 @@ Accelerate would silently not run hf_muon: an ``"optimizer"`` block together wit
 (Accelerate swaps the optimizer for DeepSpeedCPUAdam).
 
 Nothing here runs at ``import hf_muon``: the import hook calls :func:`register_with_deepspeed` when
-``deepspeed`` is imported, and the Trainer patch calls the check once the Accelerator exists.
+``deepspeed`` is imported and :func:`patch_accelerate` when ``accelerate.accelerator`` is, and the
+Trainer patch (``integrations/transformers.py``) calls :func:`check_trainer` once the Accelerator exists.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from ..optimizer.groups import module_behind
 from ..optimizer.muon import Muon
 from ..optimizer.param_split import MUON
+from .compat import internal, record, wrap_once
 
 OPTIMIZER_TYPE = "HfMuon"
 OPTIM_NAME = "muon"  # --optim muon (integrations/transformers.py)
@@ -119,20 +121,18 @@ class HfMuon(Muon):
 
 def _patch_engine(engine_cls: type) -> None:
     """Let :class:`HfMuon` see the module of the engine that constructs it (idempotent)."""
-    original = engine_cls._configure_basic_optimizer
-    if getattr(original, "_hf_muon", False):
-        return
 
-    def _configure_basic_optimizer(self: Any, model_parameters: Any) -> Any:
-        token = _ENGINE_MODULE.set(self.module)
-        try:
-            return original(self, model_parameters)
-        finally:
-            _ENGINE_MODULE.reset(token)
+    def wrap(original):
+        def _configure_basic_optimizer(self: Any, model_parameters: Any) -> Any:
+            token = _ENGINE_MODULE.set(self.module)
+            try:
+                return original(self, model_parameters)
+            finally:
+                _ENGINE_MODULE.reset(token)
 
-    _configure_basic_optimizer._hf_muon = True  # type: ignore[attr-defined]
-    _configure_basic_optimizer.__wrapped__ = original  # type: ignore[attr-defined]
-    engine_cls._configure_basic_optimizer = _configure_basic_optimizer
+        return _configure_basic_optimizer
+
+    wrap_once(engine_cls, "_configure_basic_optimizer", wrap, "deepspeed")
 
 
 def register_with_deepspeed(deepspeed_module: ModuleType | None = None) -> None:
@@ -150,10 +150,15 @@ def register_with_deepspeed(deepspeed_module: ModuleType | None = None) -> None:
     existing = getattr(torch.optim, OPTIMIZER_TYPE, None)
     if existing is not None and existing is not HfMuon:
         raise RuntimeError(f"torch.optim.{OPTIMIZER_TYPE} is already {existing!r}; hf_muon cannot register its own")
-    torch.optim.HfMuon = HfMuon  # type: ignore[attr-defined]
+    if existing is None:
+        torch.optim.HfMuon = HfMuon  # type: ignore[attr-defined]
+        record("deepspeed", f"torch.optim.{OPTIMIZER_TYPE}", lambda: delattr(torch.optim, OPTIMIZER_TYPE))
+    supported = internal(zero_utils, "ZERO_SUPPORTED_OPTIMIZERS", "deepspeed")
     for cls in (HfMuon, Muon):
-        if cls not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
-            zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
+        if cls not in supported:
+            supported.append(cls)
+            record("deepspeed", f"deepspeed ZERO_SUPPORTED_OPTIMIZERS += {cls.__name__}",
+                   lambda cls=cls: supported.remove(cls))
     _patch_engine(DeepSpeedEngine)
 
 
@@ -231,26 +236,9 @@ def check_trainer(trainer: Any) -> None:
     """Run :func:`check_deepspeed_config` for a Trainer whose Accelerator exists (no-op without DeepSpeed)."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return
-    plugin = trainer.accelerator.state.deepspeed_plugin
+    plugin = internal(trainer.accelerator.state, "deepspeed_plugin", "accelerate")
     register_with_deepspeed()
     check_deepspeed_config(plugin.deepspeed_config, trainer.args.optim, config_source(trainer.args))
-
-
-def patch_trainer_checks(trainer_cls: type) -> None:
-    """Check the DeepSpeed config right after ``Trainer`` creates its Accelerator (idempotent)."""
-    original = trainer_cls.create_accelerator_and_postprocess
-    if getattr(original, "_hf_muon", False):
-        return
-
-    def create_accelerator_and_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        check_trainer(self)
-        return result
-
-    create_accelerator_and_postprocess._hf_muon = True  # type: ignore[attr-defined]
-    create_accelerator_and_postprocess.__doc__ = original.__doc__
-    create_accelerator_and_postprocess.__wrapped__ = original  # type: ignore[attr-defined]
-    trainer_cls.create_accelerator_and_postprocess = create_accelerator_and_postprocess
 
 
 def patch_accelerate(accelerator_module: ModuleType) -> None:
@@ -259,15 +247,13 @@ def patch_accelerate(accelerator_module: ModuleType) -> None:
     Accelerate calls ``map_pytorch_optim_to_deepspeed`` only for a client optimizer under
     optimizer offload with ``zero_force_ds_cpu_optimizer`` true; that is the swap.
     """
-    original = getattr(accelerator_module, "map_pytorch_optim_to_deepspeed", None)
-    if original is None or getattr(original, "_hf_muon", False):
-        return
 
-    def map_pytorch_optim_to_deepspeed(optimizer: Any) -> Any:
-        if isinstance(optimizer, Muon):
-            raise ValueError(OFFLOAD_MESSAGE.format(source="The DeepSpeed config", device="cpu"))
-        return original(optimizer)
+    def wrap(original):
+        def map_pytorch_optim_to_deepspeed(optimizer: Any) -> Any:
+            if isinstance(optimizer, Muon):
+                raise ValueError(OFFLOAD_MESSAGE.format(source="The DeepSpeed config", device="cpu"))
+            return original(optimizer)
 
-    map_pytorch_optim_to_deepspeed._hf_muon = True  # type: ignore[attr-defined]
-    map_pytorch_optim_to_deepspeed.__wrapped__ = original  # type: ignore[attr-defined]
-    accelerator_module.map_pytorch_optim_to_deepspeed = map_pytorch_optim_to_deepspeed
+        return map_pytorch_optim_to_deepspeed
+
+    wrap_once(accelerator_module, "map_pytorch_optim_to_deepspeed", wrap, "accelerate")

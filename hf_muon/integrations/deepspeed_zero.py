@@ -1,4 +1,5 @@
-"""Where each Muon matrix's piece sits in the flat fp32 partition DeepSpeed ZeRO hands to ``step()``.
+"""DeepSpeed ZeRO's layout provider: real shapes, the ``use_muon`` flag, and where each Muon matrix's
+piece sits in the flat fp32 partition ZeRO hands to ``step()``.
 
 Inside ZeRO a client optimizer never sees a matrix: each param group holds one flat fp32 tensor,
 this rank's partition. Both layouts are read from DeepSpeed's own bookkeeping, never re-derived
@@ -11,35 +12,70 @@ this rank's partition. Both layouts are read from DeepSpeed's own bookkeeping, n
   sub-group whose flat partition is ``fp32_partitioned_groups_flat[s]``, ``grad_position`` gives
   each one's offset there, and ``partition_numel()`` the per-rank split of its elements.
 
-Nothing here imports deepspeed: it reads attributes DeepSpeed put on tensors.
+Those internals are read through ``compat.internal``: a DeepSpeed that renamed one fails with a
+message naming it and the tested version. ``hf_muon/__init__.py`` registers :data:`PROVIDER` by
+module path, so the optimizer uses it without importing it. Nothing here imports deepspeed: it
+reads attributes DeepSpeed put on tensors.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import sys
+import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed.layout import TensorLayout
-from ..optimizer.param_split import shape_of
+from ..distributed.providers import FlatPartition, LayoutProvider
+from .compat import internal
+
+NAME = "DeepSpeed ZeRO"
 
 
-@dataclass(frozen=True)
-class FlatPartition:
-    """The Muon matrices with a piece in one flat ZeRO partition.
+def _ds(owner: Any, name: str) -> Any:
+    """A DeepSpeed internal, or :class:`~hf_muon.integrations.compat.IncompatibleVersionError` naming it."""
+    return internal(owner, name, "deepspeed")
 
-    ``spans[i]`` is ``(offset, length)`` of matrix ``i``'s piece in the flat tensor (length 0 if this
-    rank holds none of it); ``layouts[i]`` says which elements of it each rank of ``group`` holds.
-    """
 
-    spans: tuple[tuple[int, int], ...]
-    layouts: tuple[TensorLayout, ...]
-    group: dist.ProcessGroup | None
-    rank: int
-    world: int
+def ds_shape(p: Tensor) -> tuple[int, ...] | None:
+    """The real shape DeepSpeed keeps in ``ds_shape`` (``zero.Init`` makes ``p.shape`` ``[0]``), or ``None``."""
+    shape = getattr(p, "ds_shape", None)
+    return tuple(shape) if shape is not None else None
+
+
+def _shape(p: Tensor) -> tuple[int, ...]:
+    return ds_shape(p) or tuple(p.shape)
+
+
+def _user_stacklevel() -> int:
+    """``stacklevel`` of the first caller outside hf_muon and torch: a warning then names user code,
+    however deep in the optimizer's construction the check runs."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("hf_muon", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def check_use_muon(group: dict[str, Any]) -> None:
+    """Keep DeepSpeed's own Muon off hf_muon's tensors.
+
+    In ZeRO-1/2 DeepSpeed runs its own Newton–Schulz on a group whose parameters have a truthy
+    ``use_muon`` (because our class is named Muon), and ``BF16_Optimizer`` reads a ``use_muon`` group
+    key: refuse the key, remove the attribute with a warning."""
+    if "use_muon" in group:
+        raise ValueError(
+            "param group has a 'use_muon' key: that key makes DeepSpeed run its own Muon on the group. "
+            "Use 'algorithm': 'muon' or 'adamw' instead"
+        )
+    for p in group["params"]:
+        if getattr(p, "use_muon", None) is not None:
+            warnings.warn("removing the 'use_muon' attribute DeepSpeed's Muon set on a parameter",
+                          stacklevel=_user_stacklevel())
+            del p.use_muon
 
 
 def is_zero_partition(flat: Tensor, matrices: list[Tensor]) -> bool:
@@ -49,7 +85,7 @@ def is_zero_partition(flat: Tensor, matrices: list[Tensor]) -> bool:
 
 def bind_flat_partition(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition:
     """Read where each of ``matrices`` (the model parameters of a Muon group) sits in ``flat``."""
-    z3 = next((p._z3_optimizer for p in matrices if hasattr(p, "_z3_optimizer")), None)
+    z3 = next((_ds(p, "_z3_optimizer") for p in matrices if hasattr(p, "_z3_optimizer")), None)
     if z3 is not None:
         return _bind_stage3(flat, z3, stacked)
     return _bind_stage1_2(flat, [p for p in matrices if p.requires_grad], stacked)
@@ -60,25 +96,26 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 
 
 def _bind_stage1_2(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition:
-    groups = {id(getattr(p, "_dp_group", None)) for p in matrices}
-    if len(groups) != 1 or not hasattr(matrices[0], "_dp_group"):
+    dp_groups = [_ds(p, "_dp_group") for p in matrices]
+    if len({id(g) for g in dp_groups}) != 1:
         raise RuntimeError("hf_muon.Muon: DeepSpeed did not link every Muon matrix of a group to one data-parallel group")
-    group = matrices[0]._dp_group
+    group = dp_groups[0]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     spans, local_ranges = [], []
     for p in matrices:
-        mapping = p._hp_mapping
+        mapping = _ds(p, "_hp_mapping")
         if mapping is None:
             spans.append((0, 0))
             local_ranges.append((0, 0))
             continue
-        if not _same_storage(mapping.hp_fragment, flat):
+        if not _same_storage(_ds(mapping, "hp_fragment"), flat):
             raise RuntimeError(
                 "hf_muon.Muon: a Muon matrix's ZeRO fragment is not in the flat partition step() received; "
                 "this DeepSpeed optimizer wrapper is not supported (use ZeRO stage 1, 2 or 3 without ZenFlow)"
             )
-        start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-        spans.append((mapping.hp_fragment_address.start, numel))
+        lp_address = _ds(mapping, "lp_fragment_address")
+        start, numel = _ds(lp_address, "start"), _ds(lp_address, "numel")
+        spans.append((_ds(_ds(mapping, "hp_fragment_address"), "start"), numel))
         local_ranges.append((start, start + numel))
     # Each rank knows only its own fragments: learn the others' once (a few integers per matrix).
     mine = torch.tensor(local_ranges, dtype=torch.int64).reshape(-1, 2)
@@ -86,31 +123,32 @@ def _bind_stage1_2(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatP
     dist.all_gather(everyone, mine, group=group)
     layouts = []
     for i, p in enumerate(matrices):
-        shape = shape_of(p)
+        shape = _shape(p)
         ranges = tuple((int(everyone[r][i, 0]), int(everyone[r][i, 1])) for r in range(world))
         layouts.append(_checked(TensorLayout(shape, stacked, ranges)))
-    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world)
+    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world, NAME)
 
 
 def _bind_stage3(flat: Tensor, z3, stacked: bool) -> FlatPartition:
-    sub_group = next((s for s, t in enumerate(z3.fp32_partitioned_groups_flat) if t is flat), None)
+    sub_group = next((s for s, t in enumerate(_ds(z3, "fp32_partitioned_groups_flat")) if t is flat), None)
     if sub_group is None:
         raise RuntimeError(
             "hf_muon.Muon: step() got a tensor that is not one of ZeRO-3's flat fp32 partitions "
             "(optimizer offload with NVMe swapping is not supported)"
         )
-    group = z3.sub_group_process_groups[sub_group]
+    group = _ds(z3, "sub_group_process_groups")[sub_group]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    grad_position, get_param_id = _ds(z3, "grad_position"), _ds(z3, "get_param_id")
     spans, layouts = [], []
-    for p in z3.fp16_groups[sub_group]:
-        shape = shape_of(p)
-        numel, part = math.prod(shape), p.partition_numel()
+    for p in _ds(z3, "fp16_groups")[sub_group]:
+        shape = _shape(p)
+        numel, part = math.prod(shape), _ds(p, "partition_numel")()
         ranges = tuple((min(r * part, numel), min((r + 1) * part, numel)) for r in range(world))
-        _, offset, _ = z3.grad_position[z3.get_param_id(p)]
+        _, offset, _ = grad_position[get_param_id(p)]
         start, end = ranges[rank]
         spans.append((offset, end - start))
         layouts.append(_checked(TensorLayout(shape, stacked, ranges)))
-    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world)
+    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world, NAME)
 
 
 def _checked(layout: TensorLayout) -> TensorLayout:
@@ -124,3 +162,24 @@ def _checked(layout: TensorLayout) -> TensorLayout:
     if position != layout.numel:
         raise RuntimeError(f"hf_muon.Muon: ZeRO fragments {layout.ranges} do not tile a tensor of shape {layout.shape}")
     return layout
+
+
+class DeepSpeedZeroProvider(LayoutProvider):
+    """DeepSpeed ZeRO stages 1-3 (and ``BF16_Optimizer``) as a layout provider for ``hf_muon.Muon``."""
+
+    name = NAME
+    supported = "plain ZeRO stage 0, 1, 2 or 3 (not ZenFlow, not NVMe optimizer swapping)"
+
+    def shape_of(self, p: Tensor) -> tuple[int, ...] | None:
+        return ds_shape(p)
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        check_use_muon(group)
+
+    def bind(self, flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition | None:
+        if not is_zero_partition(flat, matrices):
+            return None
+        return bind_flat_partition(flat, matrices, stacked)
+
+
+PROVIDER = DeepSpeedZeroProvider()

@@ -2,14 +2,25 @@
 
 Works with transformers 5.x (and 4.4x): ``muon`` becomes a real ``OptimizerNames`` member (so
 ``OptimizerNames("muon")``, ``HfArgumentParser`` choices and pickled ``training_args.bin`` accept
-it), and ``Trainer.get_optimizer_cls_and_kwargs`` answers for it before falling back to the
-original lookup.
+it), ``TrainingArguments`` checks ``--optim_args`` as it is created (before any data work), and
+``Trainer.get_optimizer_cls_and_kwargs`` answers for it before falling back to the original lookup.
+Every change goes through :mod:`hf_muon.integrations.compat` (one place to undo them all).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+import os
+import re
+import sys
 from types import ModuleType
 from typing import Any
+
+from .compat import internal, record, wrap_once
+
+LIBRARY = "transformers"
+logger = logging.getLogger("hf_muon")
 
 OPTIM_NAME = "muon"
 _MEMBER = "MUON"
@@ -35,7 +46,7 @@ def add_optimizer_name(training_args: ModuleType) -> None:
     A class attribute is not a member: ``OptimizerNames("muon")`` and argparse choices read the
     enum's member tables, so the member goes into those.
     """
-    enum_cls = training_args.OptimizerNames
+    enum_cls = internal(training_args, "OptimizerNames", LIBRARY)
     if OPTIM_NAME in enum_cls._value2member_map_:
         return
     member = str.__new__(enum_cls, OPTIM_NAME)
@@ -45,6 +56,13 @@ def add_optimizer_name(training_args: ModuleType) -> None:
     enum_cls._member_map_[_MEMBER] = member
     enum_cls._member_names_.append(_MEMBER)
     enum_cls._value2member_map_[OPTIM_NAME] = member
+
+    def undo() -> None:
+        type.__delattr__(enum_cls, _MEMBER)
+        del enum_cls._member_map_[_MEMBER], enum_cls._value2member_map_[OPTIM_NAME]
+        enum_cls._member_names_.remove(_MEMBER)
+
+    record(LIBRARY, f"{enum_cls.__module__}.OptimizerNames.{_MEMBER}", undo)
 
 
 def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
@@ -71,6 +89,72 @@ def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
     return parsed
 
 
+def check_optim_args(optim_args: str | None) -> dict[str, Any]:
+    """Parse ``--optim_args`` and check every value as :class:`hf_muon.Muon` will (ranges, names,
+    regexes), so that a mistake stops the run when ``TrainingArguments`` is created, not after the
+    data and the model were prepared. Returns the parsed settings; raises ``ValueError``."""
+    from ..optimizer.muon import Muon
+
+    options = parse_optim_args(optim_args)
+    defaults = {name: p.default for name, p in inspect.signature(Muon.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    try:
+        Muon._check_hyperparameters({**defaults, **options})
+        if options.get("adamw_lr", 0) < 0:
+            raise ValueError(f"adamw_lr must be >= 0, got {options['adamw_lr']}")
+        for key in ("force_muon", "force_adamw"):
+            if key in options:
+                try:
+                    re.compile(options[key])
+                except re.error as error:
+                    raise ValueError(f"{key}={options[key]!r} is not a valid regular expression ({error})") from None
+    except ValueError as error:
+        raise ValueError(f"--optim_args: {error}") from None
+    return options
+
+
+def _is_muon(optim: Any) -> bool:
+    return str(getattr(optim, "value", optim)) == OPTIM_NAME
+
+
+def show_info_lines(rank: int) -> None:
+    """Make the ``hf_muon`` logger print its INFO lines (on rank 0; warnings on every rank) unless the
+    user configured it. Called when a Trainer run asks for ``--optim muon``."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[hf_muon] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+def before_training_args(args: Any) -> None:
+    """Run at the start of ``TrainingArguments.__post_init__``: check ``--optim muon``'s settings, then
+    set up the gloo state a multi-rank CPU launch needs (``accelerate_cpu.prepare_training_args``)."""
+    from .accelerate_cpu import prepare_training_args
+
+    if _is_muon(args.optim):
+        check_optim_args(args.optim_args)
+        show_info_lines(int(os.environ.get("RANK", "0")))
+    prepare_training_args(args)
+
+
+def on_training_args(training_args: ModuleType) -> None:
+    """Import hook of ``transformers.training_args``: add the ``muon`` name and the early checks (idempotent)."""
+    add_optimizer_name(training_args)
+    cls = internal(training_args, "TrainingArguments", LIBRARY)
+
+    def wrap(original):
+        def __post_init__(self: Any, *a: Any, **kw: Any) -> None:
+            before_training_args(self)
+            original(self, *a, **kw)
+
+        return __post_init__
+
+    wrap_once(cls, "__post_init__", wrap, LIBRARY)
+
+
 def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
     """The ``(optimizer class, kwargs)`` Trainer builds for ``--optim muon``.
 
@@ -84,7 +168,7 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
 
     if model is None:
         raise ValueError("--optim muon needs the model to split its parameters; call Trainer.create_optimizer()")
-    options = parse_optim_args(args.optim_args)
+    options = check_optim_args(args.optim_args)
     split = split_parameters(model, options.pop("force_muon", None), options.pop("force_adamw", None))
     split.muon = [(n, p) for n, p in split.muon if p.requires_grad]
     split.adamw = [(n, p) for n, p in split.adamw if p.requires_grad]
@@ -101,25 +185,31 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
     return Muon, kwargs
 
 
-def patch_trainer(trainer_module: ModuleType) -> None:
-    """Make ``Trainer.get_optimizer_cls_and_kwargs`` answer for ``muon`` (idempotent), and check DeepSpeed
-    configs once the Trainer's Accelerator exists (``deepspeed_config.check_trainer``)."""
-    from .deepspeed_config import patch_trainer_checks
+def on_trainer(trainer_module: ModuleType) -> None:
+    """Import hook of ``transformers.trainer``: make ``Trainer.get_optimizer_cls_and_kwargs`` answer for
+    ``muon``, and check DeepSpeed configs once the Trainer's Accelerator exists (idempotent)."""
+    from .deepspeed_config import check_trainer
 
-    trainer_cls = trainer_module.Trainer
-    patch_trainer_checks(trainer_cls)
-    original = trainer_cls.get_optimizer_cls_and_kwargs
-    if getattr(original, "_hf_muon", False):
-        return
+    trainer_cls = internal(trainer_module, "Trainer", LIBRARY)
 
-    def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
-        if args.optim == OPTIM_NAME:
-            return muon_cls_and_kwargs(args, model)
-        return original(args, model)
+    def wrap_lookup(original):
+        def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
+            if _is_muon(args.optim):
+                return muon_cls_and_kwargs(args, model)
+            return original(args, model)
 
-    get_optimizer_cls_and_kwargs._hf_muon = True  # type: ignore[attr-defined]
-    get_optimizer_cls_and_kwargs.__doc__ = original.__doc__
-    trainer_cls.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs)
+        return get_optimizer_cls_and_kwargs
+
+    def wrap_accelerator(original):
+        def create_accelerator_and_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            check_trainer(self)
+            return result
+
+        return create_accelerator_and_postprocess
+
+    wrap_once(trainer_cls, "get_optimizer_cls_and_kwargs", wrap_lookup, LIBRARY)
+    wrap_once(trainer_cls, "create_accelerator_and_postprocess", wrap_accelerator, LIBRARY)
 
 
 def register_with_transformers() -> None:
@@ -127,5 +217,5 @@ def register_with_transformers() -> None:
     import transformers.trainer
     import transformers.training_args
 
-    add_optimizer_name(transformers.training_args)
-    patch_trainer(transformers.trainer)
+    on_training_args(transformers.training_args)
+    on_trainer(transformers.trainer)

@@ -7,6 +7,8 @@ independently; callers stack same-shape matrices into one call so the products r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -106,6 +108,15 @@ def resolve_method(rows: int, cols: int, steps: int, dtype: torch.dtype, method:
         return method
     gram, standard = ns_flops(rows, cols, steps, "gram", dtype), ns_flops(rows, cols, steps, "standard")
     return "gram" if gram <= _GRAM_MAX_FLOP_RATIO * standard else "standard"
+
+
+@functools.lru_cache(maxsize=4096)  # the owner plan asks once per matrix per plan: shapes repeat
+def orthogonalize_flops(rows: int, cols: int, steps: int, dtype: torch.dtype = torch.float32,
+                        method: str = "auto") -> int:
+    """FLOPs :func:`orthogonalize` really executes on one ``rows x cols`` matrix in ``dtype``: the
+    iteration :func:`resolve_method` picks (Gram where it is cheaper, with its bf16/fp16 restarts).
+    The owner plan balances this cost, so it matches the work each owner rank does."""
+    return ns_flops(rows, cols, steps, resolve_method(rows, cols, steps, dtype, method), dtype)
 
 
 def orthogonalize(

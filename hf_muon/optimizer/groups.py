@@ -8,6 +8,7 @@ from typing import Any, Iterable
 
 from torch import Tensor, nn
 
+from ..distributed import providers
 from .param_split import ADAMW, MUON, shape_of, split_parameters
 
 ALGORITHMS = (MUON, ADAMW)
@@ -74,11 +75,7 @@ def build_param_groups(
     result: list[dict] = []
     guessed = False
     for group in groups:
-        if "use_muon" in group:
-            raise ValueError(
-                "param group has a 'use_muon' key: that key makes DeepSpeed run its own Muon on the group. "
-                "Use 'algorithm': 'muon' or 'adamw' instead"
-            )
+        providers.check_group(group)  # before splitting: a refused key is reported once, as given
         if "algorithm" in group:
             result.append(group)
             continue
@@ -110,17 +107,14 @@ def build_param_groups(
 
 
 def validate_group(group: dict) -> None:
-    """Check one group's algorithm and settings; raise ``ValueError`` saying what to change."""
+    """Check one group's algorithm and settings; raise ``ValueError`` saying what to change.
+
+    Backend-specific keys and tensor flags are checked by the registered layout providers."""
     algorithm = group.get("algorithm")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"param group 'algorithm' must be one of {ALGORITHMS}, got {algorithm!r}")
-    if "use_muon" in group:
-        raise ValueError("param group has a 'use_muon' key (DeepSpeed's own Muon flag); use 'algorithm' instead")
+    providers.check_group(group)
     for i, p in enumerate(group["params"]):
-        if getattr(p, "use_muon", None) is not None:
-            # DeepSpeed runs its own Newton–Schulz on tensors flagged so; ours must stay in charge.
-            warnings.warn("removing the 'use_muon' attribute DeepSpeed's Muon set on a parameter", stacklevel=4)
-            del p.use_muon
         ndim = len(shape_of(p))
         if algorithm == MUON and ndim < 2:
             name = group["param_names"][i] if "param_names" in group else f"#{i} of shape {shape_of(p)}"

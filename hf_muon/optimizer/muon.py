@@ -8,23 +8,31 @@ update) and torch's own functional AdamW, so the AdamW half is bit-for-bit ``tor
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adam import adam as functional_adam
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
-from ..distributed.sharding import all_ranks_agree, exchange_over, local, make_exchange
+from ..distributed.providers import FlatPartition, bind_partition, describe_providers
+from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, local, make_exchange
 from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
 from .groups import build_param_groups, validate_group
 from .param_split import MUON
+from .summary import describe_optimizer
+
+logger = logging.getLogger("hf_muon")
 
 # (blended local pieces, Newton–Schulz on whole tensors) -> orthogonalized local pieces
 Exchange = Callable[[list[Tensor], Callable[[list[Tensor]], list[Tensor]]], list[Tensor]]
+# orthogonalize's signature: (G [..., rows, cols], steps, coefficients, dtype) -> orthogonalized G in dtype
+OrthogonalizeFn = Callable[[Tensor, int, str, torch.dtype], Tensor]
 
 ADJUST_LR_RULES = ("match_rms_adamw", "original")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -78,10 +86,21 @@ def resolve_ns_dtype(ns_dtype: torch.dtype | str | None, device: torch.device | 
     return ns_dtype
 
 
+def plan_ns_dtype(ns_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The Newton–Schulz dtype the owner plan costs. Every rank must plan alike, so the policy
+    (``None``) is costed as on an accelerator (bfloat16), never from this host's CPU features: two
+    machines with different CPUs would otherwise plan different owners and mismatch collectives."""
+    return resolve_ns_dtype(ns_dtype)
+
+
 def orthogonalize_all(
-    updates: list[Tensor], stacked: bool, steps: int, coefficients: str, ns_dtype: torch.dtype | str | None
+    updates: list[Tensor], stacked: bool, steps: int, coefficients: str, ns_dtype: torch.dtype | str | None,
+    orthogonalize_fn: OrthogonalizeFn | None = None,
 ) -> list[Tensor]:
-    """Newton–Schulz of every update, one batched call per (shape, device), in the NS dtype."""
+    """Newton–Schulz of every update, one batched call per (shape, device), in the NS dtype.
+
+    ``orthogonalize_fn`` (default :func:`hf_muon.kernels.orthogonalize`) runs on each batch."""
+    fn = orthogonalize_fn if orthogonalize_fn is not None else orthogonalize
     mats = [as_matrices(u, stacked) for u in updates]
     buckets: dict[tuple, list[int]] = {}
     for i, m in enumerate(mats):
@@ -93,7 +112,7 @@ def orthogonalize_all(
         # copy, not a cat and then a cast
         batch = torch.empty(sum(mats[i].shape[0] for i in indices), *shape, dtype=dtype, device=device)
         torch.cat([mats[i] for i in indices], out=batch)
-        ortho = orthogonalize(batch, steps, coefficients, dtype)
+        ortho = fn(batch, steps, coefficients, dtype)
         for i, piece in zip(indices, ortho.split([mats[i].shape[0] for i in indices])):
             out[i] = piece.reshape(updates[i].shape)
     return out
@@ -115,12 +134,14 @@ def muon_update(
     stacked: bool,
     shapes: list[tuple[int, ...]] | None = None,
     exchange: Exchange | None = None,
+    orthogonalize_fn: OrthogonalizeFn | None = None,
 ) -> None:
     """One Muon step on ``params`` in place (the functional form of :class:`Muon`'s Muon half).
 
     ``params``, ``grads`` and ``momentum_buffers`` may be this rank's pieces of larger tensors:
     then ``shapes`` gives the whole tensors' shapes and ``exchange`` orthogonalizes the blended
     pieces as whole tensors (see ``hf_muon.distributed``). Everything else is element-wise.
+    ``orthogonalize_fn`` replaces :func:`hf_muon.kernels.orthogonalize` (same signature).
     """
     if not params:
         return
@@ -129,7 +150,7 @@ def muon_update(
     blended = torch._foreach_lerp(grads, momentum_buffers, momentum) if nesterov else momentum_buffers
 
     def newton_schulz(whole: list[Tensor]) -> list[Tensor]:
-        return orthogonalize_all(whole, stacked, ns_steps, ns_coefficients, ns_dtype)
+        return orthogonalize_all(whole, stacked, ns_steps, ns_coefficients, ns_dtype, orthogonalize_fn)
 
     ortho = newton_schulz(blended) if exchange is None else exchange(blended, newton_schulz)
     if weight_decay != 0:
@@ -191,6 +212,12 @@ class Muon(Optimizer):
             FSDP2 ``DTensor``s, orthogonalize each matrix once on an owner rank and share the result.
         bucket_bytes: cap on the whole-matrix bytes one exchange round gathers on owners.
         comm_dtype: dtype of updates on the wire (``torch.bfloat16`` halves the exchange traffic).
+        process_group: the ranks replicated (DDP) parameters are exchanged over; ``None``: the
+            default world. FSDP2 ``DTensor``s use their mesh's group, and flat partitions a backend
+            hands over (DeepSpeed ZeRO) that backend's group.
+        orthogonalize_fn: Newton–Schulz with :func:`hf_muon.kernels.orthogonalize`'s signature
+            ``(G, steps, coefficients, dtype) -> Tensor``; ``None``: that function. The owner plan
+            still balances the default kernel's cost.
 
     Attributes:
         skipped_steps: steps skipped because some gradient was not finite.
@@ -219,6 +246,8 @@ class Muon(Optimizer):
         distributed: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         comm_dtype: torch.dtype | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        orthogonalize_fn: OrthogonalizeFn | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -235,17 +264,39 @@ class Muon(Optimizer):
                     group.setdefault("lr", adamw_lr)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        # Each group's own parameters, by the group's "matrices_index": DeepSpeed ZeRO later swaps a
-        # group's "params" for one flat partition, and these say which matrices it stands for.
+        self._check_process_group(process_group, distributed)
+        if orthogonalize_fn is not None and not callable(orthogonalize_fn):
+            raise TypeError(f"orthogonalize_fn must be callable like hf_muon.kernels.orthogonalize, got {orthogonalize_fn!r}")
+        # Each group's own parameters, by the group's "matrices_index": a backend (DeepSpeed ZeRO)
+        # may later swap a group's "params" for one flat partition, and these say which matrices it
+        # stands for. Partitions are read by a registered layout provider (hf_muon.distributed.providers).
         self._group_tensors: list[list[Tensor]] = []
-        self._zero_partitions: dict[tuple[int, int, int], Any] = {}
-        self._zero_exchanges: dict[tuple[int, int, int, int], Exchange] = {}
+        self._partitions: dict[tuple[int, int, int], FlatPartition] = {}
+        self._partition_exchanges: dict[tuple, Exchange] = {}
         super().__init__(groups, defaults)
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
         self.comm_dtype = comm_dtype
+        # Attributes, not group keys: a process group or a function would not survive state_dict().
+        self.process_group = process_group
+        self.orthogonalize_fn = orthogonalize_fn
         self.skipped_steps = 0
         self.exchange_stats = ExchangeStats()
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(describe_optimizer(self.param_groups, resolve_ns_dtype))
+
+    @staticmethod
+    def _check_process_group(process_group: dist.ProcessGroup | None, distributed: bool) -> None:
+        if process_group is None:
+            return
+        if not distributed:
+            raise ValueError("process_group needs distributed=True (with distributed=False nothing is exchanged)")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("process_group was given but torch.distributed is not initialized: "
+                             "call torch.distributed.init_process_group first")
+        if dist.get_rank(process_group) < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group: create the optimizer "
+                             "only on the ranks of its group, or pass a group that contains this rank")
 
     @staticmethod
     def _check_hyperparameters(h: dict) -> None:
@@ -298,7 +349,7 @@ class Muon(Optimizer):
                     params.append(p)
         finite = bool(torch.stack(flags).isfinite().all()) if flags else True
         # sharded gradients: every rank must skip the same steps, or collectives would not match
-        return all_ranks_agree(finite, params) if self.distributed and params else finite
+        return all_ranks_agree(finite, params, self.process_group) if self.distributed and params else finite
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -322,7 +373,7 @@ class Muon(Optimizer):
     def _muon_group_step(self, group: dict) -> None:
         with_grad = [p for p in group["params"] if p.grad is not None]
         if with_grad and with_grad[0].ndim == 1:
-            self._zero_partition_step(group, with_grad)
+            self._flat_partition_step(group, with_grad)
             return
         for p in with_grad:
             if p.ndim < 2:
@@ -337,33 +388,25 @@ class Muon(Optimizer):
         exchange = None
         if self.distributed:
             exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
-                                     self.bucket_bytes, self.comm_dtype)
+                                     self.bucket_bytes, self.comm_dtype, plan_ns_dtype(group["ns_dtype"]),
+                                     self.process_group)
         self._apply_muon(
             group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
             [local(self.state[p]["momentum_buffer"]) for p in with_grad], [tuple(p.shape) for p in with_grad],
             exchange,
         )
 
-    def _zero_partition_step(self, group: dict, flats: list[Tensor]) -> None:
-        """DeepSpeed ZeRO handed over flat fp32 partitions: update each matrix's piece in place."""
-        from ..integrations.deepspeed_zero import bind_flat_partition, is_zero_partition
+    def _flat_partition_step(self, group: dict, flats: list[Tensor]) -> None:
+        """A backend (DeepSpeed ZeRO) handed over flat partitions: update each matrix's piece in place.
 
+        Where the pieces sit is read once per partition by a registered layout provider."""
         matrices = self._group_tensors[group["matrices_index"]]
         for flat in flats:
-            if not is_zero_partition(flat, matrices):
-                raise RuntimeError(
-                    f"hf_muon.Muon's Muon group received a flat tensor of {flat.numel()} elements that no "
-                    "DeepSpeed ZeRO bookkeeping describes (a DeepSpeed optimizer wrapper hf_muon does not "
-                    "support, e.g. ZenFlow): use plain ZeRO stage 0, 1, 2 or 3"
-                )
             key = (group["matrices_index"], flat.data_ptr(), flat.numel())
-            if key not in self._zero_partitions:  # every rank binds at the same step: it all-gathers
-                self._zero_partitions[key] = bind_flat_partition(flat, matrices, group["stacked"])
-            part = self._zero_partitions[key]
-            if part.world > 1 and not self.distributed:
-                raise ValueError("hf_muon.Muon(distributed=False) cannot run under DeepSpeed ZeRO with several "
-                                 "ranks: each rank holds only pieces of the matrices. Leave distributed=True.")
-            state = self.state[flat]  # state shaped like the tensor step() got, as DeepSpeed expects
+            if key not in self._partitions:  # every rank binds at the same step: a provider may all-gather
+                self._partitions[key] = self._bind(flat, matrices, group["stacked"])
+            part = self._partitions[key]
+            state = self.state[flat]  # state shaped like the tensor step() got, as backends expect
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(flat)
 
@@ -371,23 +414,41 @@ class Muon(Optimizer):
                 return [t.narrow(0, offset, length) for offset, length in part.spans]
 
             # The layout never changes, so neither does the owner plan: build the exchange once.
-            plan_key = (*key, group["ns_steps"])
-            if plan_key not in self._zero_exchanges:
-                self._zero_exchanges[plan_key] = exchange_over(
+            plan_dtype = plan_ns_dtype(group["ns_dtype"])
+            plan_key = (*key, group["ns_steps"], plan_dtype)
+            if plan_key not in self._partition_exchanges:
+                self._partition_exchanges[plan_key] = exchange_over(
                     list(part.layouts), part.group, part.rank, part.world, group["ns_steps"], self.exchange_stats,
-                    self.bucket_bytes, self.comm_dtype)
-            exchange = self._zero_exchanges[plan_key]
+                    self.bucket_bytes, self.comm_dtype, plan_dtype)
+            exchange = self._partition_exchanges[plan_key]
             self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]),
                              [layout.shape for layout in part.layouts], exchange)
 
-    @staticmethod
-    def _apply_muon(group: dict, params, grads, buffers, shapes, exchange: Exchange | None) -> None:
+    def _bind(self, flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition:
+        part = bind_partition(flat, matrices, stacked)
+        if part is None:
+            names, supported = describe_providers()
+            raise RuntimeError(
+                f"hf_muon.Muon's Muon group received a flat tensor of {flat.numel()} elements that no {names} "
+                "bookkeeping describes (a wrapper that flattens parameters and that hf_muon does not support)"
+                + (f"; supported: {supported}" if supported else "")
+            )
+        if part.world > 1 and not self.distributed:
+            raise ValueError(f"hf_muon.Muon(distributed=False) cannot run under {part.backend} with several "
+                             "ranks: each rank holds only pieces of the matrices. Leave distributed=True.")
+        if self.process_group is not None and group_ranks(self.process_group) != group_ranks(part.group):
+            raise ValueError(f"process_group (ranks {group_ranks(self.process_group)}) differs from the group "
+                             f"{part.backend} partitions over (ranks {group_ranks(part.group)}); under "
+                             f"{part.backend} leave process_group unset: its own group is used")
+        return part
+
+    def _apply_muon(self, group: dict, params, grads, buffers, shapes, exchange: Exchange | None) -> None:
         muon_update(
             params, grads, buffers,
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"], stacked=group["stacked"],
-            shapes=shapes, exchange=exchange,
+            shapes=shapes, exchange=exchange, orthogonalize_fn=self.orthogonalize_fn,
         )
 
     def _adamw_group_step(self, group: dict) -> None:

@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
-from torch import Tensor, nn
+from torch import nn
+
+# A parameter's real shape, also where a backend hides it (zero.Init makes ``p.shape`` [0]): the
+# registered layout providers know, this layer does not.
+from ..distributed.providers import shape_of
 
 MUON, ADAMW = "muon", "adamw"
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -98,12 +102,6 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     # transformers is already loaded, so this module never imports it.
     pytorch_utils = sys.modules.get("transformers.pytorch_utils")
     return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
-
-
-def shape_of(p: Tensor) -> tuple[int, ...]:
-    """A parameter's real shape, also under DeepSpeed's ``zero.Init`` (where ``p.shape`` is ``[0]``)."""
-    ds_shape = getattr(p, "ds_shape", None)
-    return tuple(ds_shape) if ds_shape is not None else tuple(p.shape)
 
 
 def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tuple[str, str, bool]:

@@ -9,7 +9,6 @@ comparison needs no files. Rank 0 writes the figures the pytest side asserts on.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime
 import json
@@ -46,23 +45,18 @@ class Block(nn.Module):
         return self.head(self.norm(h))
 
 
-@contextlib.contextmanager
 def counting_newton_schulz():
-    """Count the matrices Newton–Schulz orthogonalizes in this process (``calls["n"]``)."""
-    import hf_muon.optimizer.muon as muon_module
+    """``(fn, calls)``: a Newton–Schulz for ``Muon(orthogonalize_fn=fn)`` that counts the matrices it
+    orthogonalizes in this process in ``calls["n"]``."""
+    from hf_muon.kernels import orthogonalize
 
     calls = {"n": 0}
-    original = muon_module.orthogonalize
 
     def counting(G, *a, **k):
         calls["n"] += G.shape[0] if G.ndim == 3 else 1
-        return original(G, *a, **k)
+        return orthogonalize(G, *a, **k)
 
-    muon_module.orthogonalize = counting
-    try:
-        yield calls
-    finally:
-        muon_module.orthogonalize = original
+    return counting, calls
 
 
 def loss_fn(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -84,6 +78,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--comm_dtype", default=None)
+    # DDP over an explicit process group: "new_group" of all ranks, or "per_rank" (each rank alone:
+    # no exchange, every rank orthogonalizes every matrix)
+    parser.add_argument("--process_group", choices=["default", "new_group", "per_rank"], default="default")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
@@ -100,6 +97,12 @@ def main() -> None:
 
     model = copy.deepcopy(base)
     comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
+    counting, calls = counting_newton_schulz()
+    opt_kwargs["orthogonalize_fn"] = counting
+    if args.process_group == "new_group":
+        opt_kwargs["process_group"] = dist.new_group(list(range(world)))
+    elif args.process_group == "per_rank":  # every rank creates every group, in the same order
+        opt_kwargs["process_group"] = [dist.new_group([r]) for r in range(world)][rank]
     if args.backend == "ddp":
         opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
         wrapped = nn.parallel.DistributedDataParallel(model)
@@ -112,8 +115,7 @@ def main() -> None:
             fully_shard(module, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
         opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
-    with counting_newton_schulz() as calls:
-        train(wrapped, opt, batches, args.accumulation, rank, world)
+    train(wrapped, opt, batches, args.accumulation, rank, world)
 
     worst = 0.0
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):

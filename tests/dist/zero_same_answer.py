@@ -54,13 +54,14 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
         assert all(p.numel() == 0 for p in model.parameters()), "zero.Init did not partition the model"
     else:
         model = copy.deepcopy(base)
-    opt = Muon(model, **OPTIMIZER)
+    counting, calls = counting_newton_schulz()
+    opt = Muon(model, orthogonalize_fn=counting, **OPTIMIZER)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    with counting_newton_schulz() as calls:
-        for batch in batches:
-            for micro in batch.chunk(world)[rank].chunk(accumulation):
-                engine.backward(loss_fn(engine, micro))  # DeepSpeed divides by the accumulation steps
-                engine.step()
+    calls["n"] = 0  # training steps only: FP16_UnfusedOptimizer runs one step inside initialize()
+    for batch in batches:
+        for micro in batch.chunk(world)[rank].chunk(accumulation):
+            engine.backward(loss_fn(engine, micro))  # DeepSpeed divides by the accumulation steps
+            engine.step()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage.startswith("3")):
         trained = [p.detach().float().clone() for p in params]
