@@ -229,7 +229,10 @@ def test_a_hook_whose_target_changed_leaves_the_import_working():
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning, value = proc.stdout.strip().splitlines()
     assert "transformers.trainer" in warning and "get_optimizer_cls_and_kwargs" in warning, warning
-    assert "transformers 5." in warning and "tested with" in warning and "disabled" in warning, warning
+    import transformers
+
+    assert f"transformers {transformers.__version__}" in warning, warning
+    assert "tested with" in warning and "disabled" in warning, warning
     assert value == "muon"
 
 

@@ -134,6 +134,12 @@ def init_cpu_state(kind: str, timeout_s: float | None = None) -> Any:
         if kind == FSDP:
             # AcceleratorState enables FSDP only for accelerator worlds; the label is all it reads.
             state.distributed_type = DistributedType.MULTI_GPU
+    if state.device is not None and state.device.type == "cpu" and state.device.index is not None:
+        # Accelerate names the CPU "cpu:0" here; transformers < 5.18 resumes multi-rank checkpoints with
+        # torch.load(map_location=args.device), and torch cannot restore a storage to "cpu:0"
+        import torch
+
+        state.device = torch.device("cpu")
     _STATE_KIND.append(kind)
     atexit.register(shutdown)
     if state.process_index == 0:

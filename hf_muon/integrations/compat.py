@@ -25,8 +25,8 @@ from typing import Any, Callable
 # The versions the test suite runs against (see README, "Supported versions").
 TESTED_VERSIONS = {
     "torch": "2.13",
-    "transformers": "5.25",
-    "accelerate": "1.16",
+    "transformers": "4.57 and 5.25",
+    "accelerate": "1.10 and 1.16",
     "deepspeed": "0.19.8",
 }
 
