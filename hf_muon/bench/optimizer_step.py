@@ -115,6 +115,10 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
         rows: dict[str, Any] = {}
         timed = []
         for name in contenders:
+            if name == TORCH_MUON and not hasattr(torch.optim, "Muon"):
+                rows[name] = {"skipped": f"torch {torch.__version__} has no torch.optim.Muon (torch >= 2.9 has)"}
+                bar.update()
+                continue
             if name != ADAMW and name in previous:
                 seconds, prev_flops = previous[name]
                 estimate = seconds * flops / prev_flops
@@ -252,7 +256,7 @@ def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torc
     f32, bf16 = torch.float32, torch.bfloat16
     other = f32 if shipped == bf16 else bf16
     name, other_name = (str(d).replace("torch.", "") for d in (shipped, other))
-    return {
+    variants = {
         "torch.optim.Muon (quintic, bf16, 5 steps)": torch_muon_ns,
         f"hf_muon shipped on this CPU (quintic, {name}, Gram for wide, 5 steps)":
             lambda g: orthogonalize(g, 5, "quintic", shipped),
@@ -262,6 +266,9 @@ def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torc
         "hf_muon Polar Express fp32 (5 steps)": lambda g: orthogonalize(g, 5, "polar_express", f32),
         "hf_muon Polar Express fp32 (8 steps)": lambda g: orthogonalize(g, 8, "polar_express", f32),
     }
+    if not hasattr(torch.optim, "Muon"):  # torch < 2.9
+        del variants["torch.optim.Muon (quintic, bf16, 5 steps)"]
+    return variants
 
 
 def orthogonality(shapes: list[tuple[int, int]], shipped: torch.dtype) -> dict[str, Any]:
