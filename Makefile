@@ -1,6 +1,7 @@
 # Two commands a new machine needs (nothing installed by hand):
 #   make demo   train the demo model with Muon and with AdamW, print both eval losses, plot them
 #   make test   run the whole test suite
+#   make test-fast   the tests without multi-process launches (pytest -m "not slow", under 2 minutes)
 # Both create/update the virtual environment in $(VENV). A torch already importable there (e.g.
 # your own CUDA build, seen through --system-site-packages) is kept; otherwise torch==2.13.0 is installed.
 
@@ -11,7 +12,7 @@ DEPS := $(VENV)/.hf_muon-deps
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast install clean
 
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -31,6 +32,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf build *.egg-info runs .pytest_cache

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -102,27 +100,26 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(args.out).write_text(json.dumps({"per_rank": gathered, "muon_numel": muon_numel}))
-    dist.destroy_process_group()
+    from hf_muon.launching import shutdown_process_group
 
-
-def free_port() -> int:
-    """A fresh port per cell: a fixed one can still be held by the previous cell's workers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
 
 
 def run_cell(stage: int, optimizer: str, world: int, steps: int) -> dict:
+    from hf_muon.launching import free_port, run
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cell.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
-               str(free_port()), __file__, "--worker", "--stage", str(stage), "--optimizer",
-               optimizer, "--steps", str(steps), "--out", out]
+        # a fresh port per cell (and per retry): a fixed one can still be held by the previous cell's workers
+        def cmd():
+            return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
+                    str(free_port()), __file__, "--worker", "--stage", str(stage), "--optimizer",
+                    optimizer, "--steps", str(steps), "--out", out]
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            tail = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line][-1:]
-            return {"failed": tail[0] if tail else f"exit code {proc.returncode}"}
+        result = run(cmd, 900, env=env)
+        if result.returncode != 0:
+            tail = [line for line in result.output.splitlines() if "Error" in line][-1:]
+            return {"failed": tail[0] if tail else ("timed out" if result.timed_out else f"exit code {result.returncode}")}
         return json.loads(Path(out).read_text())
 
 

@@ -8,8 +8,10 @@ It sets ``HF_MUON_REGISTER=1`` so registration reaches every child Python the sc
 (launchers and CLIs that re-launch themselves), then runs the script as ``__main__``.
 
 On a machine without a GPU, a Trainer launched on several ranks (DDP, FSDP, DeepSpeed) gets the
-gloo process group Accelerate would not set up (see ``hf_muon/integrations/accelerate_cpu.py``);
-the runner destroys it when the script returns.
+gloo process group Accelerate would not set up (see ``hf_muon/integrations/accelerate_cpu.py``).
+When the script returns, the runner destroys the process group and, where a gloo backend would
+otherwise be torn down during the interpreter's shutdown (which aborts now and then), ends the
+process itself with exit code 0 (:func:`hf_muon.launching.shutdown_process_group`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(USAGE)
     if argv[0] != "-m" and not os.path.isfile(argv[0]):
         raise SystemExit(f"hf_muon.run: no such script: {argv[0]}\n{USAGE}")
+    succeeded = False
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -58,12 +61,18 @@ def main(argv: list[str] | None = None) -> None:
             sys.argv = [script, *argv[1:]]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
             runpy.run_path(script, run_name="__main__")
+        succeeded = True
+    except SystemExit as stop:
+        succeeded = stop.code is None or stop.code == 0
+        if not succeeded:
+            raise
     finally:
-        # A gloo process group set up for a CPU launch (integrations/accelerate_cpu.py) must be
-        # destroyed before the interpreter shuts down, or gloo aborts the process.
-        accelerate_cpu = sys.modules.get("hf_muon.integrations.accelerate_cpu")
-        if accelerate_cpu is not None:
-            accelerate_cpu.shutdown()
+        # The end of a CPU (gloo) launch: the process group must be gone before the interpreter's
+        # teardown, or gloo aborts the process now and then (see hf_muon/launching.py). After a
+        # successful script that may end the process here, exit code 0; a failure propagates.
+        from .launching import shutdown_process_group
+
+        shutdown_process_group(exit_code=0 if succeeded else None)
 
 
 if __name__ == "__main__":

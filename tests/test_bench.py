@@ -119,6 +119,7 @@ def test_torch_muon_orthogonalization_is_read_through_its_public_api(shape):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 0.03
 
 
+@pytest.mark.slow
 def test_pretrain_clm_example_runs_with_muon_from_another_folder(tmp_path):
     """examples/pretrain_clm.py is a thin script around hf_muon.recipes.pretrain_clm, started through
     the runner from outside the repository."""
@@ -171,6 +172,7 @@ def _failures(node, path=""):
     return found
 
 
+@pytest.mark.slow
 def test_quick_preset_writes_a_well_formed_report(tmp_path):
     # From a folder that is not the repository, with a relative --output_dir: the bench needs nothing
     # from the source tree (figure 5 trains the packaged recipe).

@@ -10,17 +10,16 @@ import glob
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 import torch
 
 import hf_muon  # noqa: F401  (installs the import hooks, as in a user's process)
+from hf_muon import launching
+from hf_muon.launching import free_port, stop, wait_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -36,12 +35,6 @@ MUON_TENSORS = 14  # hidden matrices of the tiny Llama: 7 per layer, 2 layers
 LAUNCH_TIMEOUT = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "HF_MUON_"))}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
@@ -49,70 +42,47 @@ def launch_env() -> dict:
     return env
 
 
-def start(cmd: list[str], log) -> subprocess.Popen:
-    # a file, not a pipe: a stuck worker cannot block us on EOF; own session: one killpg stops all
-    return subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def start(cmd: list[str], log):
+    """A launcher in its own session, output in ``log`` (see :mod:`hf_muon.launching`)."""
+    return launching.start(cmd, log, env=launch_env(), cwd=ROOT)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a launcher and everything it started: SIGTERM to its process group, then SIGKILL.
-    After a normal exit this only removes workers a launcher may have left behind."""
-    try:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # launchers forward it to their workers
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the group is gone: nothing left to stop
-    proc.wait()
+def launch(cmd, timeout: int = LAUNCH_TIMEOUT) -> launching.Result:
+    """Run a launch to the end; a hang is stopped after ``timeout`` seconds and fails the test. ``cmd``
+    may be a function building the command: a retry (port taken after the probe) gets a fresh port."""
+    result = launching.run(cmd, timeout, env=launch_env(), cwd=ROOT)
+    if result.timed_out:
+        pytest.fail(f"hung for {timeout}s and was stopped: {' '.join(result.cmd)}\n{result.output[-4000:]}")
+    return result
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float) -> bool:
-    """Wait until every process exited; stop early when one fails. False if the time ran out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-            return True
-        time.sleep(0.5)
-    return False
+def run(cmd, timeout: int = LAUNCH_TIMEOUT) -> tuple[int, str]:
+    """``(returncode, output)`` of a launch (see :func:`launch`)."""
+    result = launch(cmd, timeout)
+    return result.returncode, result.output
 
 
-def run(cmd: list[str], timeout: int = LAUNCH_TIMEOUT) -> tuple[int, str]:
-    """``(returncode, output)`` of a launch; a hang is stopped after ``timeout`` seconds and fails."""
-    with tempfile.TemporaryFile("w+") as log:
-        proc = start(cmd, log)
-        finished = wait_all([proc], timeout)
-        stop(proc)
-        log.seek(0)
-        if not finished:
-            pytest.fail(f"hung for {timeout}s and was stopped: {' '.join(cmd)}\n{log.read()[-4000:]}")
-        return proc.returncode, log.read()
-
-
-def run_ok(cmd: list[str]) -> str:
-    rc, out = run(cmd)
-    assert rc == 0, f"{' '.join(cmd)} failed ({rc}):\n{out[-5000:]}"
+def run_ok(cmd) -> str:
+    result = launch(cmd)
+    rc, out = result.returncode, result.output
+    assert rc == 0, f"{' '.join(result.cmd)} failed ({rc}):\n{out[-5000:]}"
     return out
 
 
-def torchrun(*args: str) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), "-m", "hf_muon.run", TINY, *args]
+# Each returns a function building the command, so that a retry ("address already in use") gets a new port.
+def torchrun(*args: str):
+    return lambda: [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                    "--master_port", str(free_port()), "-m", "hf_muon.run", TINY, *args]
 
 
-def accelerate(config: str, *args: str) -> list[str]:
-    return [*ACCELERATE, "--config_file", os.path.join(ACC_CONFIGS, config), "--main_process_port",
-            str(free_port()), "-m", "hf_muon.run", TINY, *args]
+def accelerate(config: str, *args: str):
+    return lambda: [*ACCELERATE, "--config_file", os.path.join(ACC_CONFIGS, config), "--main_process_port",
+                    str(free_port()), "-m", "hf_muon.run", TINY, *args]
 
 
-def deepspeed(*args: str) -> list[str]:
-    return [*DEEPSPEED, "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "--module", "hf_muon.run", TINY, *args]
+def deepspeed(*args: str):
+    return lambda: [*DEEPSPEED, "--num_gpus", "2", "--master_addr", "127.0.0.1", "--master_port",
+                    str(free_port()), "--module", "hf_muon.run", TINY, *args]
 
 
 def reports(prefix: str) -> list[dict]:
@@ -313,12 +283,14 @@ def test_runner_hands_deepspeeds_local_rank_to_the_script():
 # Launches: 2 CPU ranks each (about 30 s apiece on two cores)
 
 
+@pytest.mark.slow
 def test_refusal_reaches_a_launched_trainer(tmp_path):
     rc, out = run(torchrun("--deepspeed", os.path.join(DS_CONFIGS, "zero2_optimizer_block.json"),
                            "--output_dir", str(tmp_path), "--optim", "muon", "--max_steps", "2", *TRAIN))
     assert rc != 0 and "so does --optim muon" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_optimizer_block_selects_hfmuon_with_the_right_split(tmp_path):
     # no --optim: the DS config's "optimizer" block picks HfMuon; DeepSpeed hands it a flat tensor list
     report = str(tmp_path / "report")
@@ -330,6 +302,7 @@ def test_optimizer_block_selects_hfmuon_with_the_right_split(tmp_path):
         assert train_loss_fell(r)
 
 
+@pytest.mark.slow
 def test_hfmuon_under_zero3_zero_init_with_gradient_accumulation(tmp_path):
     # "type": "HfMuon" at stage 3, model built under zero.Init (--deepspeed before from_config), GAS 2:
     # Newton–Schulz once per matrix per optimizer step, not per micro-batch.
@@ -350,6 +323,7 @@ def train_loss_fell(r: dict) -> bool:
     return losses[-1] < losses[0] - 0.2  # lr 1e-2, 4 steps: about 5.55 -> 4.9 with Muon
 
 
+@pytest.mark.slow
 def test_zero3_offload_through_the_deepspeed_launcher_in_bf16(tmp_path):
     report = str(tmp_path / "report")
     run_ok(deepspeed("--deepspeed", os.path.join(DS_CONFIGS, "zero3_offload.json"), "--bf16", "--use_cpu",
@@ -359,6 +333,7 @@ def test_zero3_offload_through_the_deepspeed_launcher_in_bf16(tmp_path):
         assert r["dtype"] == "torch.bfloat16" and train_loss_fell(r), r
 
 
+@pytest.mark.slow
 def test_zero3_with_zero_init_in_bf16(tmp_path):
     # deepspeed_zero3.yaml sets zero3_init_flag: from_config then builds the model under zero.Init,
     # where every parameter looks 1-D; Muon must still get (and orthogonalize) the 14 matrices.
@@ -378,6 +353,7 @@ def check_zero3_persistence(r: dict) -> None:
         + ["model.norm.weight"]), r["persistent"]
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_finish_with_identical_parameters(tmp_path):
     # one `accelerate launch` per simulated machine, 1 rank each, meeting at 127.0.0.1:port
     port, prefix = str(free_port()), str(tmp_path / "run")
@@ -419,6 +395,7 @@ CHECKPOINT_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
 def test_resume_from_checkpoint_gives_the_uninterrupted_answer(tmp_path, case):
     command, engine = CHECKPOINT_CASES[case]

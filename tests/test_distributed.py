@@ -3,25 +3,16 @@ balanced FLOPs, about 2 * P_muon / W elements of traffic per rank per step."""
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from hf_muon.distributed.layout import flat_sharded, replicated, row_sharded
 from hf_muon.distributed.plan import assign_owners, ns_load
+from hf_muon.launching import free_port, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(script, args, nproc=2, timeout=300, env=None):
@@ -29,32 +20,14 @@ def torchrun(script, args, nproc=2, timeout=300, env=None):
 
     A free port can be taken by another process between our probe and torchrun's bind: that one
     failure is retried once with a new port."""
-    for attempt in (1, 2):
-        returncode, out = _torchrun_once(script, args, nproc, timeout, env)
-        if returncode == 0 or "address already in use" not in out.lower():
-            break
-    assert returncode == 0, f"{script} {args} failed or hung ({timeout}s):\n{out[-4000:]}"
-    return out
+    def command():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
 
-
-def _torchrun_once(script, args, nproc, timeout, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
-    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a stuck worker cannot block us on EOF
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it to its workers
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.seek(0)
-        return proc.returncode, log.read()
+    result = run(command, timeout, env=env, cwd=ROOT)
+    assert result.returncode == 0, f"{script} {args} failed or hung ({timeout}s):\n{result.output[-4000:]}"
+    return result.output
 
 
 def run_same_answer(tmp_path, backend, *extra, nproc=2):
@@ -63,6 +36,7 @@ def run_same_answer(tmp_path, backend, *extra, nproc=2):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_same_answer_as_one_process(tmp_path, backend, accumulation):
@@ -79,6 +53,7 @@ def test_same_answer_as_one_process(tmp_path, backend, accumulation):
         assert 0.85 * 2 * r["muon_numel"] / r["world"] <= elements <= 1.15 * 2 * r["muon_numel"] / r["world"]
 
 
+@pytest.mark.slow
 def test_bf16_exchange_halves_traffic(tmp_path):
     r = run_same_answer(tmp_path, "fsdp2", "--comm_dtype", "bfloat16")
     # bf16 on the wire rounds each update to 8 bits of mantissa; measured here: 2.0e-2 after 10 steps

@@ -36,6 +36,7 @@ def check_fp32(results, bound=1e-5):
             assert all(e <= 1.15 * full for e in per_rank_step), (stage, per_rank_step, full)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_zero_stages_give_the_single_process_answer(tmp_path, accumulation):
     results = run_zero(tmp_path, 2, "--stages", STAGES, "--accumulation", str(accumulation))
@@ -45,11 +46,13 @@ def test_zero_stages_give_the_single_process_answer(tmp_path, accumulation):
     check_fp32(results)
 
 
+@pytest.mark.slow
 def test_zero_three_ranks_uneven_partitions(tmp_path):
     # 3 ranks split the Muon matrices at other places: several straddle two partitions
     check_fp32(run_zero(tmp_path, 3, "--stages", "1,2,3"))
 
 
+@pytest.mark.slow
 def test_zero_bf16(tmp_path):
     results = run_zero(tmp_path, 2, "--stages", "0,1,2,3", "--dtype", "bf16")
     results |= {"1-bf16-optimizer": r for r in run_zero(tmp_path, 2, "--stages", "1", "--dtype",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -109,51 +108,30 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, s
     ``on_poll`` is called about once a second while it runs (progress bars).
 
     Returns ``(ok, reason)``: reason is ``""`` on success, else a one-line cause (exit code or
-    timeout, and the most telling line of the log)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    with log_path.open("w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                start_new_session=True)
-        while True:
-            try:
-                rc = proc.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                if on_poll is not None:
-                    on_poll()
-                if time.monotonic() > deadline:
-                    _kill_group(proc)
-                    return False, f"timed out after {timeout_s:.0f} s ({last_line(log_path)})"
+    timeout, and the most telling line of the log). See :func:`hf_muon.launching.run`."""
+    from ..launching import run
+
+    result = run(cmd, timeout_s, env=env, cwd=cwd, log_path=log_path, on_poll=on_poll, poll_s=1.0)
     if on_poll is not None:
         on_poll()
-    if rc != 0:
-        return False, f"exit code {rc}: {last_line(log_path)}"
+    if result.timed_out:
+        return False, f"timed out after {timeout_s:.0f} s ({last_line(log_path)})"
+    if result.returncode != 0:
+        return False, f"exit code {result.returncode}: {last_line(log_path)}"
     return True, ""
 
 
 def free_port() -> int:
-    import socket
+    from ..launching import free_port as _free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_port()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the process group this module started for ``proc`` (launchers leave children behind)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """Stop the process group this module started for ``proc`` (launchers leave children behind)."""
+    from ..launching import stop
+
+    stop(proc, grace_s=10.0)
 
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b:?")

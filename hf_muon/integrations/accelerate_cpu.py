@@ -95,14 +95,16 @@ _STATE_KIND: list[str] = []  # the kind of state init_cpu_state set up in this p
 def shutdown() -> None:
     """Destroy the process group :func:`init_cpu_state` created (no-op otherwise; safe to call twice).
 
-    ``hf_muon.run`` calls it when the script returns; it is also registered with ``atexit``.
+    Registered with ``atexit`` for scripts that ``import hf_muon`` themselves; ``hf_muon.run`` ends
+    every launch through :func:`hf_muon.launching.shutdown_process_group` itself (which may also end
+    the process, see there). Here it only destroys the group: an ``atexit`` handler does not own
+    the process.
     """
     if not _STATE_KIND:
         return
-    import torch.distributed as dist
+    from ..launching import shutdown_process_group
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_process_group()
 
 
 def init_cpu_state(kind: str, timeout_s: float | None = None) -> Any:

@@ -138,8 +138,10 @@ def main() -> None:
                 "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
                 "ns_flops_per_rank": load,
             }, f)
-    dist.barrier()  # no rank tears gloo down while another still talks (it aborts then)
-    dist.destroy_process_group()
+    dist.barrier()  # no rank tears gloo down while another still talks
+    from hf_muon.launching import shutdown_process_group
+
+    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
 
 
 if __name__ == "__main__":

@@ -103,8 +103,10 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()  # no rank tears gloo down while another still talks (it aborts then)
-    dist.destroy_process_group()
+    dist.barrier()  # no rank tears gloo down while another still talks
+    from hf_muon.launching import shutdown_process_group
+
+    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
 
 
 if __name__ == "__main__":
