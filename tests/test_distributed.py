@@ -127,6 +127,7 @@ def test_owner_plan_dtype_does_not_depend_on_this_cpu(monkeypatch):
         assert muon.plan_ns_dtype("fp32") == torch.float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["new_group", "per_rank"])
 def test_ddp_exchange_runs_over_the_given_process_group(tmp_path, mode):
     r = run_same_answer(tmp_path, "ddp", "--process_group", mode)

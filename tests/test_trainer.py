@@ -136,6 +136,7 @@ def test_other_optimizers_still_work(tmp_path):
     assert isinstance(Trainer(model=tiny_llama(), args=args).create_optimizer(), torch.optim.AdamW)
 
 
+@pytest.mark.slow  # 40 s of training in-process
 def test_trainer_end_to_end_lowers_eval_loss_and_keeps_the_right_state(tmp_path):
     sys.path.insert(0, os.path.dirname(TINY))
     try:

@@ -347,10 +347,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[rank {rank}] {key}: {'failed' if 'failed' in results['runs'][key] else 'done'} "
               f"in {time.perf_counter() - start:.0f} s", flush=True)
         _reset_between_contenders()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
     sys.stdout.flush()
+    from hf_muon.launching import shutdown_process_group
+
+    shutdown_process_group(exit_code=0)  # a gloo job's teardown at interpreter exit aborts now and then
