@@ -1,6 +1,6 @@
 """``TrainingArguments(optim="muon")``: the optimizer name, the Trainer lookup, ``--optim_args``.
 
-Works with transformers 5.x (and 4.4x): ``muon`` becomes a real ``OptimizerNames`` member (so
+Works with transformers 5.x and 4.57 (both tested): ``muon`` becomes a real ``OptimizerNames`` member (so
 ``OptimizerNames("muon")``, ``HfArgumentParser`` choices and pickled ``training_args.bin`` accept
 it), ``TrainingArguments`` checks ``--optim_args`` as it is created (before any data work), and
 ``Trainer.get_optimizer_cls_and_kwargs`` answers for it before falling back to the original lookup.
