@@ -6,7 +6,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,19 +118,6 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, s
     if result.returncode != 0:
         return False, f"exit code {result.returncode}: {last_line(log_path)}"
     return True, ""
-
-
-def free_port() -> int:
-    from ..launching import free_port as _free_port
-
-    return _free_port()
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the process group this module started for ``proc`` (launchers leave children behind)."""
-    from ..launching import stop
-
-    stop(proc, grace_s=10.0)
 
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b:?")

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..recipes.curves import Curve, steps_to_reach  # noqa: F401  (steps_to_reach: re-exported)
-from .common import child_env, progress, run_child, summarize  # noqa: F401
+from ..launching import start, stop
+from .common import child_env, progress, summarize
 
 OPTIMS = {"adamw_torch": "AdamW", "muon": "hf_muon.Muon"}
 
@@ -56,8 +57,6 @@ def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     threads = max(1, (os.cpu_count() or 1) // lanes)
     out_dir.mkdir(parents=True, exist_ok=True)
     procs = []
-    import subprocess
-
     for lane in range(lanes):
         job = {"runs": runs[lane::lanes], "training": cfg["training"], "model": cfg.get("model", {}),
                "data": cfg.get("data", {}), "threads": threads}
@@ -67,8 +66,7 @@ def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         log = (out_dir / f"lane{lane}.log").open("w")
         cmd = [sys.executable, "-m", "hf_muon.bench.quality_worker", "--runs", str(out_dir / f"lane{lane}.json"),
                "--out", str(out)] + (["--script", str(script)] if script is not None else [])
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(threads),
-                                       start_new_session=True), log, out))
+        procs.append((start(cmd, log, env=child_env(threads)), log, out))
     bar = progress(len(runs), "fig 5: learning-rate sweep", "run")
     records = _wait(procs, bar, cfg["timeout_s"])
     bar.close()
@@ -83,10 +81,9 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 
 def _wait(procs, bar, timeout_s: float) -> list[dict[str, Any]]:
-    import subprocess
     import time
 
-    from .common import _kill_group, last_line
+    from .common import last_line
 
     deadline = time.monotonic() + timeout_s
     done = 0
@@ -102,7 +99,7 @@ def _wait(procs, bar, timeout_s: float) -> list[dict[str, Any]]:
         if time.monotonic() > deadline:
             for p, _, _ in procs:
                 if p.poll() is None:
-                    _kill_group(p)
+                    stop(p, grace_s=10.0)
             reasons.append(f"timed out after {timeout_s:.0f} s")
             break
         time.sleep(1.0)

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import child_env, free_port, progress, run_child, summarize
+from ..launching import free_port
+from .common import child_env, progress, run_child, summarize
 
 SINGLE = "single process"
 SETTINGS = {None: SINGLE, 2: "ZeRO-2, W=2", 3: "ZeRO-3, W=2"}
