@@ -66,6 +66,65 @@ def _all_to_all(chunks: list[list[Tensor]], recv_sizes: list[int], dtype: torch.
     return list(recv.split(recv_sizes))
 
 
+def _gather_bucket(
+    bucket: list[int], pieces: list[Tensor], layouts: list[TensorLayout], owners: list[int], *,
+    group: dist.ProcessGroup | None, rank: int, world: int, stats: ExchangeStats, dtype: torch.dtype, device,
+) -> dict[int, Tensor]:
+    """One all-to-all: every piece of the tensors in ``bucket`` travels to its owner. Returns the whole
+    tensors (global shapes, the pieces' dtype) this rank owns, by index. The one place a tensor's
+    pieces are assembled: the exchange and checkpoints both gather through it."""
+    needs_gather = [i for i in bucket if not layouts[i].holds_all(owners[i])]
+    send = [[] for _ in range(world)]
+    recv_sizes = [0] * world
+    for i in needs_gather:
+        owner, layout = owners[i], layouts[i]
+        if owner != rank and layout.holds(rank):
+            send[owner].append(pieces[i])
+        if owner == rank:
+            for src in range(world):
+                if src != rank:
+                    recv_sizes[src] += _length(layout, src)
+    received = (
+        _all_to_all(send, recv_sizes, dtype, device, group, stats)
+        if any(layouts[i].holds(r) and r != owners[i] for i in needs_gather for r in range(world))
+        else [torch.empty(0, dtype=dtype, device=device)] * world
+    )
+    offsets = [0] * world
+    wholes: dict[int, Tensor] = {}
+    for i in bucket:
+        if owners[i] != rank:
+            continue
+        layout = layouts[i]
+        if layout.holds_all(rank):
+            wholes[i] = pieces[i].reshape(layout.shape)
+            continue
+        whole = torch.empty(layout.numel, dtype=pieces[i].dtype, device=device)
+        for src in range(world):
+            span = _span(layout, src)
+            if src == rank:
+                whole[span] = pieces[i]
+            elif span.stop > span.start:
+                whole[span] = received[src][offsets[src]: offsets[src] + span.stop - span.start]
+                offsets[src] += span.stop - span.start
+        wholes[i] = whole.view(layout.shape)
+    return wholes
+
+
+def gather_on_owners(
+    pieces: list[Tensor], layouts: list[TensorLayout], owners: list[int], *, group: dist.ProcessGroup | None,
+    rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, stats: ExchangeStats | None = None,
+):
+    """Yield ``(index, whole tensor)`` for each tensor this rank owns, gathering bucket by bucket
+    (so the caller can write each bucket away before the next arrives). Every rank must call it
+    with the same ``layouts`` and ``owners`` and run it to the end."""
+    stats = stats if stats is not None else ExchangeStats()
+    dtype = pieces[0].dtype if pieces else torch.float32
+    device = pieces[0].device if pieces else torch.device("cpu")
+    for bucket in _buckets(layouts, torch.empty(0, dtype=dtype).element_size(), bucket_bytes):
+        yield from _gather_bucket(bucket, pieces, layouts, owners, group=group, rank=rank, world=world,
+                                  stats=stats, dtype=dtype, device=device).items()
+
+
 def orthogonalize_distributed(
     pieces: list[Tensor],
     layouts: list[TensorLayout],
@@ -92,44 +151,11 @@ def orthogonalize_distributed(
     results: list[Tensor | None] = [None] * len(pieces)
     for bucket in _buckets(layouts, torch.empty(0, dtype=dtype).element_size(), bucket_bytes):
         # 1. pieces -> owners (an owner that already holds all of a tensor needs nothing)
-        needs_gather = [i for i in bucket if not layouts[i].holds_all(owners[i])]
-        send = [[] for _ in range(world)]
-        recv_sizes = [0] * world
-        for i in needs_gather:
-            owner, layout = owners[i], layouts[i]
-            if owner != rank and layout.holds(rank):
-                send[owner].append(pieces[i])
-            if owner == rank:
-                for src in range(world):
-                    if src != rank:
-                        recv_sizes[src] += _length(layout, src)
-        received = (
-            _all_to_all(send, recv_sizes, dtype, device, group, stats)
-            if any(layouts[i].holds(r) and r != owners[i] for i in needs_gather for r in range(world))
-            else [torch.empty(0, dtype=dtype, device=device)] * world
-        )
-        offsets = [0] * world
-        owned, wholes = [], []
-        for i in bucket:
-            if owners[i] != rank:
-                continue
-            layout = layouts[i]
-            if layout.holds_all(rank):
-                whole = pieces[i].reshape(layout.shape)
-            else:
-                whole = torch.empty(layout.numel, dtype=pieces[i].dtype, device=device)
-                for src in range(world):
-                    span = _span(layout, src)
-                    if src == rank:
-                        whole[span] = pieces[i]
-                    elif span.stop > span.start:
-                        whole[span] = received[src][offsets[src]: offsets[src] + span.stop - span.start]
-                        offsets[src] += span.stop - span.start
-                whole = whole.view(layout.shape)
-            owned.append(i)
-            wholes.append(whole)
+        wholes = _gather_bucket(bucket, pieces, layouts, owners, group=group, rank=rank, world=world,
+                                stats=stats, dtype=dtype, device=device)
+        owned = list(wholes)
         # 2. one Newton–Schulz per owned tensor (batched by shape inside orthogonalize_fn)
-        ortho = dict(zip(owned, orthogonalize_fn(wholes))) if owned else {}
+        ortho = dict(zip(owned, orthogonalize_fn([wholes[i] for i in owned]))) if owned else {}
         stats.tensors_orthogonalized += len(owned)
         # 3. results -> every rank that holds a piece
         send = [[] for _ in range(world)]

@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FlatPartition:
-    """The Muon matrices with a piece in one flat tensor ``step()`` received.
+    """The tensors (a param group's) with a piece in one flat tensor ``step()`` received.
 
     ``spans[i]`` is ``(offset, length)`` of matrix ``i``'s piece in the flat tensor (length 0 if this
     rank holds none of it); ``layouts[i]`` says which elements of it each rank of ``group`` holds;
-    ``backend`` names the provider's backend in messages.
+    ``params[i]`` is the model parameter it is (checkpoints name it); ``backend`` names the
+    provider's backend in messages.
     """
 
     spans: tuple[tuple[int, int], ...]
@@ -38,6 +39,7 @@ class FlatPartition:
     rank: int
     world: int
     backend: str = "a sharding backend"
+    params: tuple[Tensor, ...] = ()
 
 
 class LayoutProvider:
@@ -63,6 +65,12 @@ class LayoutProvider:
         ``step()`` got in their place; ``None`` if this backend did not make ``flat``. Called once
         per flat tensor, on every rank at the same step: it may run collectives over its group."""
         return None
+
+    def load_parameter(self, p: Tensor, whole: Tensor) -> bool:
+        """Set model parameter ``p`` (and any master copy the backend keeps of it) to ``whole``, its
+        full value in fp32; ``False`` if ``p`` is not this backend's. Called on every rank, for the
+        same parameters in the same order: it may run collectives."""
+        return False
 
 
 @dataclass
@@ -128,6 +136,11 @@ def bind_partition(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatP
         if part is not None:
             return part
     return None
+
+
+def load_parameter(p: Tensor, whole: Tensor) -> bool:
+    """The first provider's :meth:`LayoutProvider.load_parameter` that takes ``p``; ``False`` if none does."""
+    return any(provider.load_parameter(p, whole) for provider in providers())
 
 
 def describe_providers() -> tuple[str, str]:

@@ -126,7 +126,7 @@ def _bind_stage1_2(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatP
         shape = _shape(p)
         ranges = tuple((int(everyone[r][i, 0]), int(everyone[r][i, 1])) for r in range(world))
         layouts.append(_checked(TensorLayout(shape, stacked, ranges)))
-    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world, NAME)
+    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world, NAME, tuple(matrices))
 
 
 def _bind_stage3(flat: Tensor, z3, stacked: bool) -> FlatPartition:
@@ -140,7 +140,8 @@ def _bind_stage3(flat: Tensor, z3, stacked: bool) -> FlatPartition:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     grad_position, get_param_id = _ds(z3, "grad_position"), _ds(z3, "get_param_id")
     spans, layouts = [], []
-    for p in _ds(z3, "fp16_groups")[sub_group]:
+    params = tuple(_ds(z3, "fp16_groups")[sub_group])
+    for p in params:
         shape = _shape(p)
         numel, part = math.prod(shape), _ds(p, "partition_numel")()
         ranges = tuple((min(r * part, numel), min((r + 1) * part, numel)) for r in range(world))
@@ -148,7 +149,26 @@ def _bind_stage3(flat: Tensor, z3, stacked: bool) -> FlatPartition:
         start, end = ranges[rank]
         spans.append((offset, end - start))
         layouts.append(_checked(TensorLayout(shape, stacked, ranges)))
-    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world, NAME)
+    return FlatPartition(tuple(spans), tuple(layouts), group, rank, world, NAME, params)
+
+
+def load_parameter(p: Tensor, whole: Tensor) -> bool:
+    """Set a ZeRO-managed parameter to ``whole``: the 16-bit (or fp32) model copy and DeepSpeed's fp32
+    master partition, through DeepSpeed's public ``GatheredParameters`` and ``safe_set_full_fp32_param``."""
+    if not (hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")):
+        return False
+    from deepspeed import zero
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    if hasattr(p, "ds_id"):  # ZeRO-3: partitioned; rank 0 writes the gathered whole, DeepSpeed re-partitions it
+        with zero.GatheredParameters([p], modifier_rank=0):
+            if dist.get_rank() == 0:
+                p.data.copy_(whole.view(p.shape))
+    else:  # ZeRO-1/2: every rank holds the whole model copy
+        p.data.copy_(whole.view(p.shape))
+    if p.requires_grad:
+        safe_set_full_fp32_param(p, whole.view(_shape(p)).to(torch.float32))
+    return True
 
 
 def _checked(layout: TensorLayout) -> TensorLayout:
@@ -180,6 +200,9 @@ class DeepSpeedZeroProvider(LayoutProvider):
         if not is_zero_partition(flat, matrices):
             return None
         return bind_flat_partition(flat, matrices, stacked)
+
+    def load_parameter(self, p: Tensor, whole: Tensor) -> bool:
+        return load_parameter(p, whole)
 
 
 PROVIDER = DeepSpeedZeroProvider()

@@ -37,7 +37,10 @@ OPTIM_ARGS = {
     "adamw_lr": float,
     "force_muon": str,
     "force_adamw": str,
+    # not a Muon setting: a resume whose checkpoint has no usable optimizer state continues fresh (loudly)
+    "allow_fresh_state": lambda v: _BOOL[v.lower()],
 }
+_TRAINER_ONLY = ("allow_fresh_state",)
 
 
 def add_optimizer_name(training_args: ModuleType) -> None:
@@ -168,7 +171,7 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
 
     if model is None:
         raise ValueError("--optim muon needs the model to split its parameters; call Trainer.create_optimizer()")
-    options = check_optim_args(args.optim_args)
+    options = {k: v for k, v in check_optim_args(args.optim_args).items() if k not in _TRAINER_ONLY}
     split = split_parameters(model, options.pop("force_muon", None), options.pop("force_adamw", None))
     split.muon = [(n, p) for n, p in split.muon if p.requires_grad]
     split.adamw = [(n, p) for n, p in split.adamw if p.requires_grad]
@@ -187,9 +190,12 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
 
 def on_trainer(trainer_module: ModuleType) -> None:
     """Import hook of ``transformers.trainer``: make ``Trainer.get_optimizer_cls_and_kwargs`` answer for
-    ``muon``, and check DeepSpeed configs once the Trainer's Accelerator exists (idempotent)."""
+    ``muon``, check DeepSpeed configs once the Trainer's Accelerator exists, and make checkpoints
+    resume under any layout (:mod:`hf_muon.integrations.trainer_checkpoints`) (idempotent)."""
+    from . import trainer_checkpoints
     from .deepspeed_config import check_trainer
 
+    trainer_checkpoints.on_trainer(trainer_module)
     trainer_cls = internal(trainer_module, "Trainer", LIBRARY)
 
     def wrap_lookup(original):

@@ -25,6 +25,7 @@ from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, 
 from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
 from .groups import build_param_groups, validate_group
 from .param_split import MUON
+from .shards import PendingState, is_backend_flat
 from .summary import describe_optimizer
 
 logger = logging.getLogger("hf_muon")
@@ -271,8 +272,11 @@ class Muon(Optimizer):
         # may later swap a group's "params" for one flat partition, and these say which matrices it
         # stands for. Partitions are read by a registered layout provider (hf_muon.distributed.providers).
         self._group_tensors: list[list[Tensor]] = []
-        self._partitions: dict[tuple[int, int, int], FlatPartition] = {}
+        # (matrices_index, data_ptr, numel) of each flat tensor seen -> (the flat, its partition)
+        self._partitions: dict[tuple[int, int, int], tuple[Tensor, FlatPartition]] = {}
         self._partition_exchanges: dict[tuple, Exchange] = {}
+        # state read from a portable checkpoint, put into flat partitions' state as step() creates it
+        self._pending_state: PendingState | None = None
         super().__init__(groups, defaults)
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
@@ -400,15 +404,13 @@ class Muon(Optimizer):
         """A backend (DeepSpeed ZeRO) handed over flat partitions: update each matrix's piece in place.
 
         Where the pieces sit is read once per partition by a registered layout provider."""
-        matrices = self._group_tensors[group["matrices_index"]]
         for flat in flats:
+            part = self._partition_of(group, flat)
             key = (group["matrices_index"], flat.data_ptr(), flat.numel())
-            if key not in self._partitions:  # every rank binds at the same step: a provider may all-gather
-                self._partitions[key] = self._bind(flat, matrices, group["stacked"])
-            part = self._partitions[key]
             state = self.state[flat]  # state shaped like the tensor step() got, as backends expect
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(flat)
+                self._fill_pending(flat, part)
 
             def pieces(t: Tensor) -> list[Tensor]:
                 return [t.narrow(0, offset, length) for offset, length in part.spans]
@@ -423,6 +425,20 @@ class Muon(Optimizer):
             exchange = self._partition_exchanges[plan_key]
             self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]),
                              [layout.shape for layout in part.layouts], exchange)
+
+    def _partition_of(self, group: dict, flat: Tensor) -> FlatPartition:
+        """The partition ``flat`` (a backend's flat tensor standing in for the group's tensors) is,
+        read once by a registered layout provider and remembered (checkpoints enumerate them)."""
+        key = (group["matrices_index"], flat.data_ptr(), flat.numel())
+        if key not in self._partitions:  # every rank binds at the same step: a provider may all-gather
+            matrices = self._group_tensors[group["matrices_index"]]
+            self._partitions[key] = (flat, self._bind(flat, matrices, group.get("stacked", False)))
+        return self._partitions[key][1]
+
+    def _fill_pending(self, flat: Tensor, part: FlatPartition) -> None:
+        """State just created for ``flat``: copy in what a portable checkpoint holds for its tensors."""
+        if self._pending_state is not None:
+            self._pending_state.fill_partition(self.state[flat], part)
 
     def _bind(self, flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition:
         part = bind_partition(flat, matrices, stacked)
@@ -461,6 +477,8 @@ class Muon(Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if is_backend_flat(p, self._group_tensors[group["matrices_index"]]):
+                    self._fill_pending(p, self._partition_of(group, p))
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

@@ -1,0 +1,291 @@
+"""Layout-neutral optimizer checkpoints: written under any layout, loaded under any other.
+
+A checkpoint folder gets ``hf_muon_state/`` beside whatever the backend wrote::
+
+    meta.json            format, version, the layout it was written under, every parameter's name,
+                         shape and algorithm, the param groups' learning rates, skipped steps
+    tensors.safetensors  per parameter, flat fp32 and whole: ``param/NAME`` (the master weights
+                         the optimizer updates), ``momentum_buffer/NAME`` (Muon),
+                         ``exp_avg/NAME`` and ``exp_avg_sq/NAME`` (AdamW)
+    scheduler.pt         the learning-rate scheduler's state, when one was given
+
+Saving gathers each tensor's pieces on rank 0 through the same code the exchange uses
+(``distributed.exchange.gather_on_owners``), bucket by bucket. Loading reads, on each rank, only the
+slice of each tensor that rank holds (safetensors slices), whatever the layout: whole tensors (one
+process, DDP), FSDP2 row shards, or DeepSpeed ZeRO partitions (filled when ``step()`` first shows
+them). AdamW's step counts are per parameter; ZeRO's per-partition counts map onto them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..distributed import providers
+from ..distributed.exchange import gather_on_owners
+from ..distributed.sharding import local
+from ..optimizer.shards import PendingState, Shard, fill_whole_state, is_backend_flat, shards_of
+
+DIRNAME = "hf_muon_state"
+FORMAT = "hf_muon portable optimizer state"
+VERSION = 1
+_META, _TENSORS, _SCHEDULER = "meta.json", "tensors.safetensors", "scheduler.pt"
+_GROUP_KEYS = ("lr", "initial_lr")  # what the schedule moved; other settings come from the resuming run
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot give this run its optimizer state; the message says what to do."""
+
+
+def portable_dir(checkpoint: str) -> str:
+    return os.path.join(checkpoint, DIRNAME)
+
+
+def has_portable_state(checkpoint: str) -> bool:
+    return os.path.isfile(os.path.join(portable_dir(checkpoint), _META))
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` (a tied parameter keeps its first name, as ``named_parameters`` gives)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ------------------------------------------------------------------------------------------------ save
+
+
+def _entries(shards: list[Shard]) -> list[tuple[str, str, Tensor, Shard]]:
+    """``(kind, name, piece, shard)`` for every tensor to write, in the same order on every rank."""
+    entries = []
+    for s in shards:
+        entries.append(("param", s.name, s.param, s))
+        entries += [(kind, s.name, s.state[kind], s) for kind in sorted(s.state)]
+    return entries
+
+
+def _gather(entries: list[tuple[str, str, Tensor, Shard]], bucket_bytes: int) -> dict[str, Tensor]:
+    """Whole flat fp32 CPU tensors on global rank 0 (empty elsewhere), one gather per process group."""
+    out: dict[str, Tensor] = {}
+    by_group: dict[int, list] = {}
+    for entry in entries:
+        by_group.setdefault(id(entry[3].group), []).append(entry)
+    for group_entries in by_group.values():
+        first = group_entries[0][3]
+        if first.world > 1 and dist.get_global_rank(first.group or dist.group.WORLD, 0) != 0:
+            raise NotImplementedError("hf_muon: saving optimizer state whose process group does not contain rank 0")
+        pieces = [piece.float() for _, _, piece, _ in group_entries]
+        layouts = [s.layout for _, _, _, s in group_entries]
+        if first.world == 1:
+            found = ((i, piece) for i, piece in enumerate(pieces))
+        else:
+            found = gather_on_owners(pieces, layouts, [0] * len(pieces), group=first.group, rank=first.rank,
+                                     world=first.world, bucket_bytes=bucket_bytes)
+        for i, whole in found:
+            kind, name, _, _ = group_entries[i]
+            out[f"{kind}/{name}"] = whole.reshape(-1).detach().to("cpu", torch.float32).clone()
+    return out
+
+
+def _steps(shards: list[Shard]) -> dict[str, float]:
+    """AdamW step counts by parameter. A rank may hold no piece of a parameter (ZeRO-1/2), so the
+    ranks' counts are combined (max; -1 stands for "none here")."""
+    values = torch.tensor([-1.0 if s.step is None else s.step for s in shards], dtype=torch.float64)
+    groups = {id(s.group): s for s in shards if s.world > 1}
+    for s in groups.values():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=s.group)
+    return {s.name: float(v) for s, v in zip(shards, values.tolist()) if v >= 0}
+
+
+def _group_tensors(optimizer, group: dict) -> list[Tensor]:
+    """The model parameters a group stands for (ZeRO swaps ``params`` for flat partitions)."""
+    own = optimizer._group_tensors[group["matrices_index"]]
+    params = list(group["params"])
+    return own if not params or any(is_backend_flat(p, own) for p in params) else params
+
+
+def _group_names(optimizer, group: dict, names: dict[int, str]) -> list[str]:
+    return sorted(names[id(p)] for p in _group_tensors(optimizer, group) if id(p) in names)
+
+
+def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None,
+                  written_under: dict | None = None, bucket_bytes: int = 64 * 2**20) -> None:
+    """Write ``checkpoint/hf_muon_state/``. Called on every rank (it gathers); rank 0 writes.
+
+    Args:
+        optimizer: the :class:`hf_muon.Muon` (unwrapped).
+        model: the model its parameters belong to (for names).
+        scheduler: a learning-rate scheduler whose ``state_dict()`` is saved too.
+        written_under: what to record about the layout (shown when a resume refuses).
+    """
+    from safetensors.torch import save_file
+
+    names = parameter_names(model)
+    shards = shards_of(optimizer, names)
+    tensors = _gather(_entries(shards), bucket_bytes)
+    steps = _steps(shards)
+    rank, world = _world()
+    if rank != 0:
+        return
+    meta = {
+        "format": FORMAT, "version": VERSION,
+        "written_under": {"world_size": world, **(written_under or {})},
+        "params": {s.name: {"shape": list(s.layout.shape), "algorithm": s.algorithm, "state": sorted(s.state),
+                            "step": steps.get(s.name)} for s in shards},
+        "groups": [{"algorithm": g["algorithm"], "params": _group_names(optimizer, g, names),
+                    **{k: g[k] for k in _GROUP_KEYS if k in g}} for g in optimizer.param_groups],
+        "skipped_steps": optimizer.skipped_steps,
+    }
+    folder = portable_dir(checkpoint)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, _TENSORS))
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), os.path.join(folder, _SCHEDULER))
+    with open(os.path.join(folder, _META + ".tmp"), "w") as f:  # meta last: its presence means complete
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(folder, _META + ".tmp"), os.path.join(folder, _META))
+
+
+# ------------------------------------------------------------------------------------------------ load
+
+
+def read_meta(checkpoint: str) -> dict:
+    path = os.path.join(portable_dir(checkpoint), _META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{checkpoint} has no hf_muon optimizer state ({DIRNAME}/{_META} is missing)") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path} is damaged ({error}); resume from an earlier checkpoint") from None
+    if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int):
+        raise CheckpointError(f"{path} is not an hf_muon optimizer state file")
+    if meta["version"] > VERSION:
+        raise CheckpointError(f"{path} was written by a newer hf_muon (format {meta['version']}, this one reads "
+                              f"{VERSION}): upgrade hf_muon")
+    return meta
+
+
+def expected_params(optimizer, names: dict[int, str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``name -> (algorithm, shape)`` of every parameter this optimizer updates."""
+    from ..distributed.providers import shape_of
+
+    found = {}
+    for group in optimizer.param_groups:
+        for p in _group_tensors(optimizer, group):
+            if id(p) not in names:
+                raise CheckpointError(f"hf_muon: an optimizer tensor of shape {tuple(shape_of(p))} is not a parameter "
+                                      "of the model being trained")
+            found[names[id(p)]] = (group["algorithm"], tuple(shape_of(p)))
+    return found
+
+
+def check_matches(meta: dict, expected: dict[str, tuple[str, tuple[int, ...]]], checkpoint: str) -> None:
+    """Refuse a checkpoint of another model or parameter split, listing what differs."""
+    saved = {n: (e["algorithm"], tuple(e["shape"])) for n, e in meta["params"].items()}
+    problems = []
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if missing:
+        problems.append(f"not in the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        problems.append(f"in the checkpoint but not trained now: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    for name in sorted(set(saved) & set(expected)):
+        (alg_s, shape_s), (alg_e, shape_e) = saved[name], expected[name]
+        if shape_s != shape_e:
+            problems.append(f"{name}: shape {list(shape_s)} in the checkpoint, {list(shape_e)} now")
+        elif alg_s != alg_e:
+            problems.append(f"{name}: {alg_s} in the checkpoint, {alg_e} now (force_muon/force_adamw or the model changed)")
+    if problems:
+        raise CheckpointError(
+            f"{checkpoint} holds optimizer state of a different model or parameter split:\n  " + "\n  ".join(problems[:12])
+            + "\nResume with the model and --optim_args it was written with, or start a new run "
+            "(--optim_args allow_fresh_state=true resumes the weights with fresh optimizer state).")
+
+
+def _reader(checkpoint: str, meta: dict):
+    from safetensors import safe_open
+
+    path = os.path.join(portable_dir(checkpoint), _TENSORS)
+    try:
+        handle = safe_open(path, "pt", device="cpu")
+    except Exception as error:  # noqa: BLE001 (safetensors raises its own types)
+        raise CheckpointError(f"{path} cannot be read ({error}); resume from an earlier checkpoint") from None
+    keys = set(handle.keys())
+    absent = [f"{kind}/{n}" for n, e in meta["params"].items() for kind in ["param", *e["state"]]
+              if f"{kind}/{n}" not in keys]
+    if absent:
+        raise CheckpointError(f"{path} is partial: {len(absent)} tensors missing ({', '.join(absent[:4])} ...); "
+                              "resume from an earlier checkpoint")
+
+    def read(name: str, kind: str, start: int, end: int) -> Tensor:
+        if kind not in meta["params"][name]["state"] and kind != "param":
+            raise CheckpointError(f"{path} has no {kind} for {name} (saved before its first update?)")
+        return handle.get_slice(f"{kind}/{name}")[start:end]
+
+    return read
+
+
+def _load_parameters(optimizer, read, names: dict[int, str], meta: dict) -> None:
+    """Set the weights the optimizer updates (and, under ZeRO, the model's copy) from the checkpoint."""
+    from ..distributed.sharding import is_dtensor, layouts_of, process_group_of
+
+    for group in optimizer.param_groups:
+        own = optimizer._group_tensors[group["matrices_index"]]
+        params = list(group["params"])
+        if not params or any(is_backend_flat(p, own) for p in params):
+            for p in sorted(own, key=lambda t: names[id(t)]):  # same order on every rank: collectives
+                name = names[id(p)]
+                whole = read(name, "param", 0, int(torch.Size(meta["params"][name]["shape"]).numel()))
+                if not providers.load_parameter(p, whole):
+                    raise CheckpointError(f"hf_muon: no layout provider can load parameter {name}")
+            continue
+        where = process_group_of(params, optimizer.process_group if not is_dtensor(params[0]) else None)
+        rank, world = (where[1], where[2]) if where is not None else (0, 1)
+        for p, layout in zip(params, layouts_of(params, group.get("stacked", False), world)):
+            start, end = layout.ranges[rank]
+            target = local(p).data
+            target.view(-1).copy_(read(names[id(p)], "param", start, end).to(target.dtype))
+
+
+def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None) -> dict:
+    """Load ``checkpoint/hf_muon_state/`` into ``optimizer`` (and the weights it updates) under the
+    current layout, whatever layout wrote it. Called on every rank. Returns the checkpoint's meta.
+
+    Raises :class:`CheckpointError` for a checkpoint of another model or parameter split, a damaged
+    or partial one, or one from a newer hf_muon.
+    """
+    meta = read_meta(checkpoint)
+    names = parameter_names(model)
+    check_matches(meta, expected_params(optimizer, names), checkpoint)
+    read = _reader(checkpoint, meta)
+    steps = {n: e["step"] for n, e in meta["params"].items() if e.get("step") is not None}
+    with torch.no_grad():
+        _load_parameters(optimizer, read, names, meta)
+        fill_whole_state(optimizer, read, names, steps)
+    optimizer._pending_state = PendingState(read, names, steps)
+    optimizer.skipped_steps = int(meta.get("skipped_steps", 0))
+    saved_groups = {(g["algorithm"], tuple(g["params"])): g for g in meta["groups"]}
+    for group in optimizer.param_groups:
+        key = (group["algorithm"], tuple(_group_names(optimizer, group, names)))
+        if key not in saved_groups:
+            raise CheckpointError(f"{checkpoint}: no saved param group matches the current {group['algorithm']} group "
+                                  f"of {len(key[1])} parameters (the weight-decay or algorithm split changed)")
+        group.update({k: v for k, v in saved_groups[key].items() if k in _GROUP_KEYS})
+    scheduler_path = os.path.join(portable_dir(checkpoint), _SCHEDULER)
+    if scheduler is not None and os.path.isfile(scheduler_path):
+        scheduler.load_state_dict(torch.load(scheduler_path, weights_only=True))
+    return meta
+
+
+def has_state(optimizer) -> bool:
+    """Whether the optimizer holds any state (or state waiting for a backend's partitions)."""
+    return bool(optimizer.state) or optimizer._pending_state is not None

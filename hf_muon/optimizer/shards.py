@@ -1,0 +1,162 @@
+"""Where each parameter's optimizer state lives on this rank, whatever the layout.
+
+A checkpoint that moves between layouts needs, per model parameter, this rank's piece of its master
+weights and of each state tensor, and which elements of the whole that piece is. The optimizer sees
+three kinds of tensors: whole ones (one process, DDP), FSDP2 ``DTensor`` row shards, and flat
+partitions a backend hands over (DeepSpeed ZeRO), read through a layout provider. :func:`shards_of`
+turns all three into the same :class:`Shard`; :class:`PendingState` goes the other way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..distributed.layout import TensorLayout
+from ..distributed.sharding import is_dtensor, layouts_of, local, process_group_of
+from .param_split import MUON, shape_of
+
+if TYPE_CHECKING:
+    from ..distributed.providers import FlatPartition
+    from .muon import Muon
+
+STATE_KEYS = {MUON: ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
+
+
+def is_backend_flat(t: Tensor, own: list[Tensor]) -> bool:
+    """Whether ``t``, a tensor ``step()`` got for a group whose own tensors are ``own``, is a flat
+    buffer a backend substituted (DeepSpeed ZeRO) rather than one of them or an FSDP2 shard of one."""
+    return t.ndim == 1 and not is_dtensor(t) and all(t is not o for o in own)
+
+
+@dataclass
+class Shard:
+    """One parameter as this rank holds it: flat pieces of its master weights and state tensors.
+
+    ``layout.ranges[rank]`` says which elements of the whole (flattened) tensor the pieces are.
+    """
+
+    name: str
+    algorithm: str
+    layout: TensorLayout
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    param: Tensor
+    state: dict[str, Tensor] = field(default_factory=dict)
+    step: float | None = None
+
+
+def _step_value(state: dict) -> float | None:
+    step = state.get("step")
+    return None if step is None else float(step)
+
+
+def _flat_shards(optimizer: Muon, group: dict, names: dict[int, str]) -> list[Shard]:
+    found = []
+    for flat, part in [v for k, v in optimizer._partitions.items() if k[0] == group["matrices_index"]]:
+        state = optimizer.state.get(flat, {})
+        for p, (offset, length), layout in zip(part.params, part.spans, part.layouts):
+            def piece(t: Tensor, offset=offset, length=length) -> Tensor:
+                return t.narrow(0, offset, length)
+
+            found.append(Shard(
+                names[id(p)], group["algorithm"], layout, part.group, part.rank, part.world, piece(flat),
+                {k: piece(state[k]) for k in STATE_KEYS[group["algorithm"]] if k in state}, _step_value(state)))
+    return found
+
+
+def shards_of(optimizer: Muon, names: dict[int, str]) -> list[Shard]:
+    """Every parameter of ``optimizer`` as this rank holds it, sorted by name (the same order on every rank).
+
+    ``names`` maps ``id(tensor)`` of the model's parameters to their names. Flat partitions are known
+    once ``step()`` has run; before that a backend's groups cannot be enumerated (``RuntimeError``).
+    """
+    found: list[Shard] = []
+    for group in optimizer.param_groups:
+        own = optimizer._group_tensors[group["matrices_index"]]
+        params = list(group["params"])
+        if not params or any(is_backend_flat(p, own) for p in params):  # ZeRO: flat partitions (ZeRO-3: none between steps)
+            if not any(k[0] == group["matrices_index"] for k in optimizer._partitions) and own:
+                raise RuntimeError("hf_muon: a backend holds this optimizer's state in flat partitions that no "
+                                   "step() has shown yet; save a checkpoint after the first optimizer step")
+            found += _flat_shards(optimizer, group, names)
+            continue
+        where = process_group_of(params, optimizer.process_group if not is_dtensor(params[0]) else None)
+        pg, rank, world = where if where is not None else (None, 0, 1)
+        for p, layout in zip(params, layouts_of(params, group.get("stacked", False), world)):
+            if id(p) not in names:
+                raise KeyError(f"hf_muon: an optimizer tensor of shape {tuple(p.shape)} is not a parameter of the model")
+            state = optimizer.state.get(p, {})
+            found.append(Shard(
+                names[id(p)], group["algorithm"], layout, pg, rank, world, local(p).reshape(-1),
+                {k: local(state[k]).reshape(-1) for k in STATE_KEYS[group["algorithm"]] if k in state},
+                _step_value(state)))
+    return sorted(found, key=lambda s: s.name)
+
+
+# (name, kind, start, end) -> that slice of the whole flattened tensor, in fp32
+SliceReader = Callable[[str, str, int, int], Tensor]
+
+
+@dataclass
+class PendingState:
+    """Optimizer state read from a portable checkpoint, waiting for the flat partitions it goes into.
+
+    A backend's flat partitions appear only inside ``step()``; each is filled when its state is created.
+    """
+
+    read: SliceReader
+    names: dict[int, str]
+    steps: dict[str, float]
+
+    def fill_partition(self, state: dict, part: FlatPartition) -> None:
+        step = None
+        for p, (offset, length), layout in zip(part.params, part.spans, part.layouts):
+            name = self.names[id(p)]
+            step = self.steps.get(name, step) if step is None else step
+            if not length:
+                continue
+            start = layout.ranges[part.rank][0]
+            for key, buffer in state.items():
+                if torch.is_tensor(buffer) and buffer.ndim == 1:
+                    buffer.narrow(0, offset, length).copy_(self.read(name, key, start, start + length))
+        if step is not None and "step" in state:
+            state["step"].fill_(step)
+
+
+def fill_whole_state(optimizer: Muon, read: SliceReader, names: dict[int, str], steps: dict[str, float]) -> None:
+    """Create and fill the state of every tensor that is not a backend's flat partition (one process,
+    DDP, FSDP2): the same tensors ``step()`` would create, with this rank's slice of the checkpoint."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        own = optimizer._group_tensors[group["matrices_index"]]
+        params = list(group["params"])
+        if not params or any(is_backend_flat(p, own) for p in params):
+            continue
+        where = process_group_of(params, optimizer.process_group if not is_dtensor(params[0]) else None)
+        rank, world = (where[1], where[2]) if where is not None else (0, 1)
+        for p, layout in zip(params, layouts_of(params, group.get("stacked", False), world)):
+            name = names[id(p)]
+            start, end = layout.ranges[rank]
+            state = optimizer.state[p]
+            for key in STATE_KEYS[group["algorithm"]]:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                local(state[key]).view(-1).copy_(read(name, key, start, end))
+            if group["algorithm"] != MUON:
+                state["step"] = torch.tensor(steps[name], dtype=_get_scalar_dtype())
+
+
+def whole_shape(p: Tensor) -> tuple[int, ...]:
+    """``p``'s global shape (ZeRO-3 hides it behind ``ds_shape``, FSDP2 shards report it)."""
+    return tuple(shape_of(p))
+
+
+def numel_of(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
