@@ -3,6 +3,7 @@
     hf-muon inspect MODEL_DIR_OR_CONFIG   which parameters get Muon or AdamW, and optimizer-state bytes
     hf-muon run SCRIPT [ARGS...]          same as ``python -m hf_muon.run SCRIPT [ARGS...]``
     hf-muon bench [--quick] [...]         Muon vs AdamW, torch.optim.Muon and DeepSpeed's Muon on this machine
+    hf-muon convert-checkpoint CKPT OUT   add hf_muon_state/ to a checkpoint that lacks it (resumable under any layout)
 """
 
 from __future__ import annotations
@@ -85,7 +86,20 @@ def main(argv: list[str] | None = None) -> None:
 
     add_bench_arguments(sub.add_parser("bench", help="benchmark: step time, throughput, memory, traffic, quality; "
                                                      "writes results.json, report.md and PNGs"))
+    p_convert = sub.add_parser("convert-checkpoint", help="copy a Trainer checkpoint written without hf_muon_state/ "
+                                                          "(older hf_muon) and add it, so any layout resumes from it")
+    p_convert.add_argument("checkpoint", help="the checkpoint folder (checkpoint-N)")
+    p_convert.add_argument("output", help="a new folder for the converted copy (or the same folder to add it in place)")
     args = parser.parse_args(argv)
+    if args.command == "convert-checkpoint":
+        from .checkpoint.convert import convert_checkpoint
+        from .checkpoint.portable import CheckpointError
+
+        try:
+            print(convert_checkpoint(args.checkpoint, args.output))
+        except CheckpointError as error:
+            parser.exit(2, f"hf-muon convert-checkpoint: {error}\n")
+        return
     if args.command == "inspect":
         if not os.path.exists(args.model):
             parser.error(f"{args.model}: no such file or folder (hf-muon inspect reads local configs only)")

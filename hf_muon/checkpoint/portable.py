@@ -127,8 +127,6 @@ def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
         scheduler: a learning-rate scheduler whose ``state_dict()`` is saved too.
         written_under: what to record about the layout (shown when a resume refuses).
     """
-    from safetensors.torch import save_file
-
     names = parameter_names(model)
     shards = shards_of(optimizer, names)
     tensors = _gather(_entries(shards), bucket_bytes)
@@ -136,23 +134,34 @@ def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
     rank, world = _world()
     if rank != 0:
         return
-    meta = {
-        "format": FORMAT, "version": VERSION,
-        "written_under": {"world_size": world, **(written_under or {})},
-        "params": {s.name: {"shape": list(s.layout.shape), "algorithm": s.algorithm, "state": sorted(s.state),
-                            "step": steps.get(s.name)} for s in shards},
-        "groups": [{"algorithm": g["algorithm"], "params": _group_names(optimizer, g, names),
-                    **{k: g[k] for k in _GROUP_KEYS if k in g}} for g in optimizer.param_groups],
-        "skipped_steps": optimizer.skipped_steps,
-    }
+    meta = make_meta(
+        {s.name: {"shape": list(s.layout.shape), "algorithm": s.algorithm, "state": sorted(s.state),
+                  "step": steps.get(s.name)} for s in shards},
+        [{"algorithm": g["algorithm"], "params": _group_names(optimizer, g, names),
+          **{k: g[k] for k in _GROUP_KEYS if k in g}} for g in optimizer.param_groups],
+        optimizer.skipped_steps, {"world_size": world, **(written_under or {})})
+    write_portable(checkpoint, tensors, meta, None if scheduler is None else scheduler.state_dict())
+
+
+def write_portable(checkpoint: str, tensors: dict[str, Tensor], meta: dict, scheduler_state: dict | None) -> None:
+    """Write ``checkpoint/hf_muon_state/`` from whole flat fp32 tensors (``KIND/NAME``) and their meta."""
+    from safetensors.torch import save_file
+
     folder = portable_dir(checkpoint)
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, _TENSORS))
-    if scheduler is not None:
-        torch.save(scheduler.state_dict(), os.path.join(folder, _SCHEDULER))
+    if scheduler_state is not None:
+        torch.save(scheduler_state, os.path.join(folder, _SCHEDULER))
     with open(os.path.join(folder, _META + ".tmp"), "w") as f:  # meta last: its presence means complete
         json.dump(meta, f, indent=1)
     os.replace(os.path.join(folder, _META + ".tmp"), os.path.join(folder, _META))
+
+
+def make_meta(params: dict[str, dict], groups: list[dict], skipped_steps: int, written_under: dict) -> dict:
+    """The ``meta.json`` of a portable state: ``params`` maps each name to its ``shape``, ``algorithm``,
+    ``state`` (keys saved) and ``step`` (AdamW's count, or ``None``)."""
+    return {"format": FORMAT, "version": VERSION, "written_under": written_under, "params": params,
+            "groups": groups, "skipped_steps": skipped_steps}
 
 
 # ------------------------------------------------------------------------------------------------ load

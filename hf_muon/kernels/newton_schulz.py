@@ -144,7 +144,12 @@ def orthogonalize(
     if G.ndim < 2:
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
     schedule = coefficient_schedule(coefficients, steps)
-    X = G.to(dtype) if dtype is not None else G.clone()
+    # Scale each matrix by a power of two to a largest entry in [0.5, 1): exact (so results are
+    # unchanged), and it keeps inputs of 1e-30 or 1e30 from underflowing or overflowing in the norm
+    # below or in the cast to bf16/fp16. A zero matrix stays zero.
+    exponent = torch.frexp(G.detach().abs().amax(dim=(-2, -1), keepdim=True)).exponent
+    X = torch.ldexp(G, -exponent)
+    X = X.to(dtype) if dtype is not None else X
     method = resolve_method(X.size(-2), X.size(-1), steps, X.dtype, method)
     tall = X.size(-2) > X.size(-1)
     if tall:

@@ -338,6 +338,38 @@ class Muon(Optimizer):
         group["matrices_index"] = len(self._group_tensors)
         self._group_tensors.append(list(group["params"]))
 
+    # torch.amp.GradScaler then calls step() even on an overflow (setting grad_scale/found_inf), so a
+    # skipped step is seen here: counted in skipped_steps, and agreed on by all ranks of a sharded run.
+    _step_supports_amp_scaling = True
+
+    def _unscale_for_grad_scaler(self) -> None:
+        """Divide gradients by the scale a ``GradScaler`` left on them (``self.grad_scale``, set only while
+        it calls ``step()``; ``None`` once ``scaler.unscale_`` ran), with the scaler's own reciprocal."""
+        scale = getattr(self, "grad_scale", None)
+        if scale is None:
+            return
+        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, after checking the saved groups are this optimizer's
+        split: the same algorithm per group and, where saved, the same parameter names (torch checks
+        only group sizes, so another split of equal sizes would load momentum into the wrong tensors)."""
+        saved = state_dict.get("param_groups", [])
+        if len(saved) != len(self.param_groups):
+            raise ValueError(f"hf_muon.Muon.load_state_dict: the state has {len(saved)} param groups, this optimizer "
+                             f"{len(self.param_groups)}: it was saved from another model or parameter split")
+        for i, (old, new) in enumerate(zip(saved, self.param_groups)):
+            if old.get("algorithm", new["algorithm"]) != new["algorithm"]:
+                raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} was {old['algorithm']} when saved and is "
+                                 f"{new['algorithm']} now: the parameter split changed (force_muon/force_adamw?)")
+            if "param_names" in old and "param_names" in new and list(old["param_names"]) != list(new["param_names"]):
+                changed = sorted(set(old["param_names"]) ^ set(new["param_names"]))[:4]
+                raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) holds other parameters "
+                                 f"than when saved (e.g. {', '.join(changed) or 'another order'}): another model or split")
+        super().load_state_dict(state_dict)
+
     def _grads_finite(self) -> bool:
         """Refuse unsupported gradients up front, then check all are finite with one host sync."""
         flags, params = [], []
@@ -363,6 +395,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._unscale_for_grad_scaler()
         if not self._grads_finite():
             self.skipped_steps += 1
             warnings.warn(f"hf_muon.Muon skipped a step with non-finite gradients ({self.skipped_steps} so far)")

@@ -5,17 +5,21 @@ Only ``TrainingArguments`` flags are needed. A few script flags serve the launch
 (each rank writes its full fp32 parameters to ``PATH.rank<R>.pt`` after training), ``--report PATH``
 (each rank writes what it saw to ``PATH.rank<R>.json``: ranks' output lines interleave), ``--from_config``
 (build the model with ``AutoModelForCausalLM.from_config``: under ZeRO-3 that is ``zero.Init``, which
-partitions parameters as they are created). ``--resume_from_checkpoint`` is passed to ``train()``.
+partitions parameters as they are created), ``--kill_rank R:N`` (rank R sends itself SIGKILL at the end
+of optimizer step N, after printing the time). ``--resume_from_checkpoint`` is passed to ``train()``.
 """
 
 import json
+import os
+import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
 from transformers import (AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM, Trainer,
-                          TrainingArguments)
+                          TrainerCallback, TrainingArguments)
 
 
 class Bytes(Dataset):
@@ -36,6 +40,19 @@ class ScriptArgs:
     dump_params: str | None = None
     report: str | None = None
     from_config: bool = False
+    kill_rank: str | None = None
+
+
+class KillRank(TrainerCallback):
+    """SIGKILL this process at the end of optimizer step ``step`` (a rank dying mid-run)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            print(f"KILLING rank {args.process_index} at step {state.global_step} time={time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def full_parameters(model: torch.nn.Module) -> dict:
@@ -66,6 +83,10 @@ def main() -> None:
     built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # under zero.Init
     data = Bytes(open(__file__, "rb").read() * 4)
     trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data)
+    if script.kill_rank:
+        rank, step = map(int, script.kill_rank.split(":"))
+        if rank == args.process_index:
+            trainer.add_callback(KillRank(step))
     print(f"RANK={args.process_index} NUM_PROCESSES={trainer.accelerator.num_processes} "
           f"WORLD_SIZE={args.world_size} DISTRIBUTED_TYPE={trainer.accelerator.distributed_type}")
     before = trainer.evaluate()["eval_loss"] if script.eval_before else float("nan")
