@@ -3,7 +3,8 @@
     hf-muon inspect MODEL_DIR_OR_CONFIG   which parameters get Muon or AdamW, and optimizer-state bytes
     hf-muon run SCRIPT [ARGS...]          same as ``python -m hf_muon.run SCRIPT [ARGS...]``
     hf-muon bench [--quick] [...]         Muon vs AdamW, torch.optim.Muon and DeepSpeed's Muon on this machine
-    hf-muon convert-checkpoint CKPT OUT   add hf_muon_state/ to a checkpoint that lacks it (resumable under any layout)
+    hf-muon convert-checkpoint CKPT OUT   add hf_muon_state/ to a checkpoint that lacks it (resumable under any layout);
+                                          --to deepspeed-universal: a DeepSpeed universal checkpoint instead
 """
 
 from __future__ import annotations
@@ -90,13 +91,18 @@ def main(argv: list[str] | None = None) -> None:
                                                           "(older hf_muon) and add it, so any layout resumes from it")
     p_convert.add_argument("checkpoint", help="the checkpoint folder (checkpoint-N)")
     p_convert.add_argument("output", help="a new folder for the converted copy (or the same folder to add it in place)")
+    p_convert.add_argument("--to", choices=["hf_muon", "deepspeed-universal"], default="hf_muon",
+                           help="hf_muon: add hf_muon_state/ (any layout resumes from it through the Trainer); "
+                                "deepspeed-universal: a DeepSpeed universal checkpoint for DeepSpeed's own loader "
+                                "(\"checkpoint\": {\"load_universal\": true}; ZeRO-1/2 checkpoints)")
     args = parser.parse_args(argv)
     if args.command == "convert-checkpoint":
-        from .checkpoint.convert import convert_checkpoint
+        from .checkpoint.convert import convert_checkpoint, to_deepspeed_universal
         from .checkpoint.portable import CheckpointError
 
+        convert = to_deepspeed_universal if args.to == "deepspeed-universal" else convert_checkpoint
         try:
-            print(convert_checkpoint(args.checkpoint, args.output))
+            print(convert(args.checkpoint, args.output))
         except CheckpointError as error:
             parser.exit(2, f"hf-muon convert-checkpoint: {error}\n")
         return

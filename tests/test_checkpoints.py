@@ -19,7 +19,7 @@ import hf_muon  # noqa: F401
 from hf_muon import Muon
 from hf_muon.checkpoint import CheckpointError, load_portable, portable_dir, save_portable
 from hf_muon.launching import free_port
-from test_deepspeed_launch import ACC_CONFIGS, ACCELERATE, TINY, accelerate, load, max_rel_diff, run_ok
+from test_deepspeed_launch import ACC_CONFIGS, ACCELERATE, TINY, accelerate, max_rel_diff, run_ok
 
 PY = sys.executable
 TOLERANCE = 1e-5
@@ -337,3 +337,33 @@ def test_convert_refuses_what_it_cannot_read(tmp_path):
     torch.save(optimizer.state_dict(), tmp_path / "adamw" / "optimizer.pt")
     with pytest.raises(CheckpointError, match="not a state written by hf_muon.Muon"):
         convert_checkpoint(str(tmp_path / "adamw"), str(tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_deepspeed_universal_checkpoint_carries_hf_muons_state(tmp_path, source):
+    """DeepSpeed's own universal-checkpoint loader (``"load_universal": true``) resumes hf_muon's state from
+    ``convert-checkpoint --to deepspeed-universal`` (ds_to_universal knows only Adam's state names): the
+    run is bit-identical to resuming the same checkpoint through hf_muon_state/."""
+    import subprocess
+
+    from test_deepspeed_launch import DS_CONFIGS, torchrun
+
+    checkpoint = os.path.join(source("zero2"), "checkpoint-4")
+    universal = tmp_path / "universal"
+    done = subprocess.run([PY, "-m", "hf_muon.cli", "convert-checkpoint", "--to", "deepspeed-universal", checkpoint,
+                           str(universal)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not os.path.exists(portable_dir(str(universal)))  # DeepSpeed's loader must do the work
+    config = json.load(open(os.path.join(DS_CONFIGS, "zero1.json")))
+    config["checkpoint"] = {"load_universal": True}
+    json.dump(config, open(tmp_path / "zero1_universal.json", "w"))
+    runs = {}
+    for name, cfg, resume in [("universal", str(tmp_path / "zero1_universal.json"), str(universal)),
+                              ("portable", os.path.join(DS_CONFIGS, "zero1.json"), checkpoint)]:
+        prefix = str(tmp_path / name)
+        out = run_ok(torchrun("--deepspeed", cfg, "--resume_from_checkpoint", resume,
+                              *layout_args("zero2", prefix)[:-len(COMMON)], *COMMON))
+        assert ("resumed optimizer state from" in out) == (name == "portable")
+        runs[name] = load_rank0(prefix)
+    assert all(torch.equal(runs["universal"][n], runs["portable"][n]) for n in runs["portable"])

@@ -119,8 +119,6 @@ def test_building_the_optimizer_says_what_it_built(tmp_path):
 
 
 def test_a_trainer_run_prints_the_line_on_rank_0(tmp_path):
-    import subprocess
-    import sys
 
     code = ("import hf_muon, sys; sys.path.insert(0, 'tests'); from test_trainer import tiny_llama; "
             "from transformers import Trainer, TrainingArguments; "

@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 
 # Figure 1's contenders (names as the report prints them)

@@ -208,3 +208,58 @@ def convert_checkpoint(checkpoint: str, output: str) -> str:
     muon = sum(1 for p in params.values() if p["algorithm"] == "muon")
     return (f"{output}: hf_muon_state/ written from {backend} files ({muon} Muon and {len(params) - muon} AdamW "
             "tensors with their state); resume from it under any layout")
+
+
+def to_deepspeed_universal(checkpoint: str, output: str) -> str:
+    """Write ``output``: ``checkpoint`` with a DeepSpeed *universal* checkpoint (``global_stepN_universal/``
+    and ``latest_universal``) built from hf_muon's portable state, for DeepSpeed's own loader
+    (``"checkpoint": {"load_universal": true}``). DeepSpeed's ``ds_to_universal`` cannot do this: it
+    reads only Adam's ``exp_avg``/``exp_avg_sq``, and hf_muon's Muon tensors carry ``momentum_buffer``.
+    DeepSpeed's universal loader itself takes any state name, so it loads these. ZeRO-1/2 checkpoints."""
+    from safetensors.torch import load_file
+
+    from .portable import portable_dir, read_meta
+
+    checkpoint, output = os.path.abspath(checkpoint), os.path.abspath(output)
+    steps = sorted(glob.glob(os.path.join(checkpoint, "global_step*")))
+    model_files = glob.glob(os.path.join(steps[-1], "mp_rank_*_model_states.pt")) if steps else []
+    if not model_files:
+        raise CheckpointError(f"{checkpoint} is not a DeepSpeed ZeRO-1/2 checkpoint (no global_stepN/mp_rank_*_model_states.pt): "
+                              "a universal checkpoint also needs DeepSpeed's engine state from it")
+    if output != checkpoint:
+        if os.path.exists(output):
+            raise CheckpointError(f"{output} exists; give a new folder")
+        shutil.copytree(checkpoint, output, ignore=shutil.ignore_patterns("hf_muon_state"))
+    source = checkpoint if has_portable_state(checkpoint) else None
+    if source is None:  # read DeepSpeed's own files first
+        (tensors, params, groups), _ = from_deepspeed(checkpoint)
+        meta = make_meta(params, groups, 0, {})
+    else:
+        meta, tensors = read_meta(source), load_file(os.path.join(portable_dir(source), "tensors.safetensors"))
+    tag = os.path.basename(steps[-1]) + "_universal"
+    zero_dir = os.path.join(output, tag, "zero")
+    for name, entry in meta["params"].items():
+        folder = os.path.join(zero_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        for key in ["param", *entry["state"]]:
+            whole = tensors[f"{key}/{name}"].view(entry["shape"]).clone()
+            torch.save({"param": whole}, os.path.join(folder, ("fp32" if key == "param" else key) + ".pt"))
+        if entry.get("step") is not None:
+            torch.save(torch.tensor(float(entry["step"])), os.path.join(folder, "step.pt"))
+    for f in model_files:  # the engine's own state (module, scheduler, step counters), as ds_to_universal copies it
+        shutil.copy2(f, os.path.join(output, tag))
+        module = torch.load(f, map_location="cpu", weights_only=False).get("module") or {}
+        for name, value in module.items():  # frozen weights and buffers: fp32 from the module state
+            path = os.path.join(zero_dir, name, "fp32.pt")
+            if not os.path.isfile(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save({"param": value.float()}, path)
+    rank0 = torch.load(sorted(glob.glob(os.path.join(steps[-1], "*zero_pp_rank_0_*optim_states.pt")))[0],
+                       map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    common = {k: v for k, v in rank0.items()
+              if k not in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}
+    common["param_groups"] = rank0["base_optimizer_state"]["param_groups"]
+    torch.save(common, os.path.join(zero_dir, "optimizer_state.pt"))
+    with open(os.path.join(output, "latest_universal"), "w") as f:
+        f.write(tag)
+    return f"{output}: DeepSpeed universal checkpoint {tag}/ with hf_muon's state ({len(meta['params'])} tensors)"

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from ..distributed import providers
 from ..distributed.exchange import gather_on_owners
 from ..distributed.sharding import local
-from ..optimizer.shards import PendingState, Shard, fill_whole_state, is_backend_flat, shards_of
+from ..optimizer.shards import PendingState, Shard, fill_whole_state, shards_of
 
 DIRNAME = "hf_muon_state"
 FORMAT = "hf_muon portable optimizer state"
@@ -106,15 +106,8 @@ def _steps(shards: list[Shard]) -> dict[str, float]:
     return {s.name: float(v) for s, v in zip(shards, values.tolist()) if v >= 0}
 
 
-def _group_tensors(optimizer, group: dict) -> list[Tensor]:
-    """The model parameters a group stands for (ZeRO swaps ``params`` for flat partitions)."""
-    own = optimizer._group_tensors[group["matrices_index"]]
-    params = list(group["params"])
-    return own if not params or any(is_backend_flat(p, own) for p in params) else params
-
-
 def _group_names(optimizer, group: dict, names: dict[int, str]) -> list[str]:
-    return sorted(names[id(p)] for p in _group_tensors(optimizer, group) if id(p) in names)
+    return sorted(names[id(p)] for p in optimizer.model_tensors(group) if id(p) in names)
 
 
 def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None,
@@ -190,7 +183,7 @@ def expected_params(optimizer, names: dict[int, str]) -> dict[str, tuple[str, tu
 
     found = {}
     for group in optimizer.param_groups:
-        for p in _group_tensors(optimizer, group):
+        for p in optimizer.model_tensors(group):
             if id(p) not in names:
                 raise CheckpointError(f"hf_muon: an optimizer tensor of shape {tuple(shape_of(p))} is not a parameter "
                                       "of the model being trained")
@@ -248,10 +241,9 @@ def _load_parameters(optimizer, read, names: dict[int, str], meta: dict) -> None
     from ..distributed.sharding import is_dtensor, layouts_of, process_group_of
 
     for group in optimizer.param_groups:
-        own = optimizer._group_tensors[group["matrices_index"]]
         params = list(group["params"])
-        if not params or any(is_backend_flat(p, own) for p in params):
-            for p in sorted(own, key=lambda t: names[id(t)]):  # same order on every rank: collectives
+        if optimizer._held_by_backend(group):
+            for p in sorted(optimizer.model_tensors(group), key=lambda t: names[id(t)]):  # same order: collectives
                 name = names[id(p)]
                 whole = read(name, "param", 0, int(torch.Size(meta["params"][name]["shape"]).numel()))
                 if not providers.load_parameter(p, whole):

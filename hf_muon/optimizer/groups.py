@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Iterable
+from typing import Any
 
 from torch import Tensor, nn
 

@@ -21,11 +21,11 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
 from ..distributed.providers import FlatPartition, bind_partition, describe_providers
-from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, local, make_exchange
+from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, is_dtensor, local, make_exchange
 from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
 from .groups import build_param_groups, validate_group
 from .param_split import MUON
-from .shards import PendingState, is_backend_flat
+from .shards import PendingState
 from .summary import describe_optimizer
 
 logger = logging.getLogger("hf_muon")
@@ -272,6 +272,7 @@ class Muon(Optimizer):
         # may later swap a group's "params" for one flat partition, and these say which matrices it
         # stands for. Partitions are read by a registered layout provider (hf_muon.distributed.providers).
         self._group_tensors: list[list[Tensor]] = []
+        self._group_tensor_ids: list[set[int]] = []
         # (matrices_index, data_ptr, numel) of each flat tensor seen -> (the flat, its partition)
         self._partitions: dict[tuple[int, int, int], tuple[Tensor, FlatPartition]] = {}
         self._partition_exchanges: dict[tuple, Exchange] = {}
@@ -337,6 +338,23 @@ class Muon(Optimizer):
         self._check_hyperparameters(group)
         group["matrices_index"] = len(self._group_tensors)
         self._group_tensors.append(list(group["params"]))
+        self._group_tensor_ids.append({id(t) for t in group["params"]})
+
+    def _is_backend_flat(self, group: dict, t: Tensor) -> bool:
+        """Whether ``t``, a tensor ``step()`` got for ``group``, is a flat buffer a backend put in place of
+        the group's tensors (DeepSpeed ZeRO), rather than one of them or an FSDP2 shard of one."""
+        return t.ndim == 1 and id(t) not in self._group_tensor_ids[group["matrices_index"]] and not is_dtensor(t)
+
+    def _held_by_backend(self, group: dict) -> bool:
+        """Whether a backend holds ``group``'s tensors as flat partitions (ZeRO-3 even leaves ``params``
+        empty between steps)."""
+        params = group["params"]
+        own = self._group_tensors[group["matrices_index"]]
+        return bool(own) and (not params or any(self._is_backend_flat(group, p) for p in params))
+
+    def model_tensors(self, group: dict) -> list[Tensor]:
+        """The model's parameters ``group`` stands for (a backend may have swapped ``params`` for flat partitions)."""
+        return self._group_tensors[group["matrices_index"]] if self._held_by_backend(group) else list(group["params"])
 
     # torch.amp.GradScaler then calls step() even on an overflow (setting grad_scale/found_inf), so a
     # skipped step is seen here: counted in skipped_steps, and agreed on by all ranks of a sharded run.
@@ -505,13 +523,16 @@ class Muon(Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
+            # a backend's flat partition is bound once (checkpoints enumerate it), even if the backend
+            # created its state itself (DeepSpeed's universal checkpoint loader)
+            part = self._partition_of(group, p) if self._is_backend_flat(group, p) else None
             state = self.state[p]
             if not state:  # the same initial state torch.optim.AdamW creates
                 state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if is_backend_flat(p, self._group_tensors[group["matrices_index"]]):
-                    self._fill_pending(p, self._partition_of(group, p))
+                if part is not None:
+                    self._fill_pending(p, part)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

@@ -9,7 +9,6 @@ turns all three into the same :class:`Shard`; :class:`PendingState` goes the oth
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -19,19 +18,13 @@ from torch import Tensor
 
 from ..distributed.layout import TensorLayout
 from ..distributed.sharding import is_dtensor, layouts_of, local, process_group_of
-from .param_split import MUON, shape_of
+from .param_split import MUON
 
 if TYPE_CHECKING:
     from ..distributed.providers import FlatPartition
     from .muon import Muon
 
 STATE_KEYS = {MUON: ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
-
-
-def is_backend_flat(t: Tensor, own: list[Tensor]) -> bool:
-    """Whether ``t``, a tensor ``step()`` got for a group whose own tensors are ``own``, is a flat
-    buffer a backend substituted (DeepSpeed ZeRO) rather than one of them or an FSDP2 shard of one."""
-    return t.ndim == 1 and not is_dtensor(t) and all(t is not o for o in own)
 
 
 @dataclass
@@ -79,10 +72,9 @@ def shards_of(optimizer: Muon, names: dict[int, str]) -> list[Shard]:
     """
     found: list[Shard] = []
     for group in optimizer.param_groups:
-        own = optimizer._group_tensors[group["matrices_index"]]
         params = list(group["params"])
-        if not params or any(is_backend_flat(p, own) for p in params):  # ZeRO: flat partitions (ZeRO-3: none between steps)
-            if not any(k[0] == group["matrices_index"] for k in optimizer._partitions) and own:
+        if optimizer._held_by_backend(group):  # ZeRO: flat partitions (ZeRO-3: none between steps)
+            if not any(k[0] == group["matrices_index"] for k in optimizer._partitions):
                 raise RuntimeError("hf_muon: a backend holds this optimizer's state in flat partitions that no "
                                    "step() has shown yet; save a checkpoint after the first optimizer step")
             found += _flat_shards(optimizer, group, names)
@@ -136,9 +128,8 @@ def fill_whole_state(optimizer: Muon, read: SliceReader, names: dict[int, str], 
     from torch.optim.optimizer import _get_scalar_dtype
 
     for group in optimizer.param_groups:
-        own = optimizer._group_tensors[group["matrices_index"]]
         params = list(group["params"])
-        if not params or any(is_backend_flat(p, own) for p in params):
+        if not params or optimizer._held_by_backend(group):
             continue
         where = process_group_of(params, optimizer.process_group if not is_dtensor(params[0]) else None)
         rank, world = (where[1], where[2]) if where is not None else (0, 1)
@@ -151,12 +142,3 @@ def fill_whole_state(optimizer: Muon, read: SliceReader, names: dict[int, str], 
                 local(state[key]).view(-1).copy_(read(name, key, start, end))
             if group["algorithm"] != MUON:
                 state["step"] = torch.tensor(steps[name], dtype=_get_scalar_dtype())
-
-
-def whole_shape(p: Tensor) -> tuple[int, ...]:
-    """``p``'s global shape (ZeRO-3 hides it behind ``ds_shape``, FSDP2 shards report it)."""
-    return tuple(shape_of(p))
-
-
-def numel_of(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

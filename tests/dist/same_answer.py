@@ -12,7 +12,6 @@ import argparse
 import copy
 import datetime
 import json
-import os
 
 import torch
 import torch.distributed as dist
