@@ -195,11 +195,23 @@ def test_a_different_split_is_refused(tmp_path):
         load_portable(Muon(model, force_adamw=r"mlp"), model, str(tmp_path))
 
 
+def test_allow_fresh_state_takes_the_weights_of_another_split(tmp_path, caplog):
+    saved, _ = saved_run(tmp_path)
+    model = tiny_llama()
+    optimizer = Muon(model, force_adamw=r"mlp")
+    with caplog.at_level("WARNING", logger="hf_muon"):
+        load_portable(optimizer, model, str(tmp_path), allow_fresh_state=True)
+    assert "CONTINUING WITH FRESH OPTIMIZER STATE" in caplog.text
+    assert not optimizer.state and optimizer._pending_state is None
+    for a, b in zip(saved.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_different_model_is_refused(tmp_path):
     saved_run(tmp_path)
     model = tiny_llama(hidden=48)
-    with pytest.raises(CheckpointError, match=r"shape \[.*\] in the checkpoint, \[.*\] now"):
-        load_portable(Muon(model), model, str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"(?s)shape \[.*\] in the checkpoint, \[.*\] now.*cannot be loaded"):
+        load_portable(Muon(model), model, str(tmp_path), allow_fresh_state=True)
 
 
 def test_missing_parameters_are_refused(tmp_path):

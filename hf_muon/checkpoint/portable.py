@@ -19,6 +19,7 @@ them). AdamW's step counts are per parameter; ZeRO's per-partition counts map on
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -36,6 +37,9 @@ FORMAT = "hf_muon portable optimizer state"
 VERSION = 1
 _META, _TENSORS, _SCHEDULER = "meta.json", "tensors.safetensors", "scheduler.pt"
 _GROUP_KEYS = ("lr", "initial_lr")  # what the schedule moved; other settings come from the resuming run
+
+
+logger = logging.getLogger("hf_muon")
 
 
 class CheckpointError(ValueError):
@@ -191,26 +195,31 @@ def expected_params(optimizer, names: dict[int, str]) -> dict[str, tuple[str, tu
     return found
 
 
-def check_matches(meta: dict, expected: dict[str, tuple[str, tuple[int, ...]]], checkpoint: str) -> None:
-    """Refuse a checkpoint of another model or parameter split, listing what differs."""
+def compare(meta: dict, expected: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[list[str], list[str]]:
+    """``(model problems, split problems)``: parameters missing, extra or reshaped (the weights cannot
+    be restored), and parameters whose Muon/AdamW assignment changed (only the state cannot)."""
     saved = {n: (e["algorithm"], tuple(e["shape"])) for n, e in meta["params"].items()}
-    problems = []
+    model, split = [], []
     missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
     if missing:
-        problems.append(f"not in the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        model.append(f"not in the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra:
-        problems.append(f"in the checkpoint but not trained now: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+        model.append(f"in the checkpoint but not trained now: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
     for name in sorted(set(saved) & set(expected)):
         (alg_s, shape_s), (alg_e, shape_e) = saved[name], expected[name]
         if shape_s != shape_e:
-            problems.append(f"{name}: shape {list(shape_s)} in the checkpoint, {list(shape_e)} now")
+            model.append(f"{name}: shape {list(shape_s)} in the checkpoint, {list(shape_e)} now")
         elif alg_s != alg_e:
-            problems.append(f"{name}: {alg_s} in the checkpoint, {alg_e} now (force_muon/force_adamw or the model changed)")
-    if problems:
-        raise CheckpointError(
-            f"{checkpoint} holds optimizer state of a different model or parameter split:\n  " + "\n  ".join(problems[:12])
-            + "\nResume with the model and --optim_args it was written with, or start a new run "
-            "(--optim_args allow_fresh_state=true resumes the weights with fresh optimizer state).")
+            split.append(f"{name}: {alg_s} in the checkpoint, {alg_e} now (force_muon/force_adamw or the model changed)")
+    return model, split
+
+
+def _mismatch(checkpoint: str, problems: list[str], fresh_possible: bool) -> CheckpointError:
+    return CheckpointError(
+        f"{checkpoint} holds optimizer state of a different model or parameter split:\n  " + "\n  ".join(problems[:12])
+        + "\nResume with the model and --optim_args it was written with, or start a new run"
+        + (" (--optim_args allow_fresh_state=true resumes the weights with fresh optimizer state)." if fresh_possible
+           else "; these weights cannot be loaded into this model."))
 
 
 def _reader(checkpoint: str, meta: dict):
@@ -257,33 +266,49 @@ def _load_parameters(optimizer, read, names: dict[int, str], meta: dict) -> None
             target.view(-1).copy_(read(names[id(p)], "param", start, end).to(target.dtype))
 
 
-def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None) -> dict:
+def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None,
+                  allow_fresh_state: bool = False) -> dict:
     """Load ``checkpoint/hf_muon_state/`` into ``optimizer`` (and the weights it updates) under the
     current layout, whatever layout wrote it. Called on every rank. Returns the checkpoint's meta.
 
     Raises :class:`CheckpointError` for a checkpoint of another model or parameter split, a damaged
-    or partial one, or one from a newer hf_muon.
+    or partial one, or one from a newer hf_muon. With ``allow_fresh_state``, a checkpoint whose
+    only difference is the Muon/AdamW split gives its weights and scheduler, the optimizer starts
+    fresh, and a warning says so.
     """
     meta = read_meta(checkpoint)
     names = parameter_names(model)
-    check_matches(meta, expected_params(optimizer, names), checkpoint)
+    model_problems, split_problems = compare(meta, expected_params(optimizer, names))
+    if model_problems or (split_problems and not allow_fresh_state):
+        raise _mismatch(checkpoint, model_problems + split_problems, not model_problems)
+    fresh = bool(split_problems)
+    saved_groups = {(g["algorithm"], tuple(g["params"])): g for g in meta["groups"]}
+    group_keys = [(g["algorithm"], tuple(_group_names(optimizer, g, names))) for g in optimizer.param_groups]
+    unmatched = [k for k in group_keys if k not in saved_groups]
+    if unmatched and not fresh:
+        raise CheckpointError(f"{checkpoint}: no saved param group matches the current {unmatched[0][0]} group of "
+                              f"{len(unmatched[0][1])} parameters (the weight-decay split changed)")
     read = _reader(checkpoint, meta)
-    steps = {n: e["step"] for n, e in meta["params"].items() if e.get("step") is not None}
     with torch.no_grad():
         _load_parameters(optimizer, read, names, meta)
-        fill_whole_state(optimizer, read, names, steps)
-    optimizer._pending_state = PendingState(read, names, steps)
-    optimizer.skipped_steps = int(meta.get("skipped_steps", 0))
-    saved_groups = {(g["algorithm"], tuple(g["params"])): g for g in meta["groups"]}
-    for group in optimizer.param_groups:
-        key = (group["algorithm"], tuple(_group_names(optimizer, group, names)))
-        if key not in saved_groups:
-            raise CheckpointError(f"{checkpoint}: no saved param group matches the current {group['algorithm']} group "
-                                  f"of {len(key[1])} parameters (the weight-decay or algorithm split changed)")
-        group.update({k: v for k, v in saved_groups[key].items() if k in _GROUP_KEYS})
+    if fresh:
+        logger.warning(f"allow_fresh_state=true: CONTINUING WITH FRESH OPTIMIZER STATE: {checkpoint} was written with "
+                       f"another parameter split ({split_problems[0]}{' ...' if len(split_problems) > 1 else ''}); "
+                       "its weights and schedule were loaded, Muon's momentum and AdamW's moments start from zero")
+    else:
+        steps = {n: e["step"] for n, e in meta["params"].items() if e.get("step") is not None}
+        with torch.no_grad():
+            fill_whole_state(optimizer, read, names, steps)
+        optimizer._pending_state = PendingState(read, names, steps)
+        optimizer.skipped_steps = int(meta.get("skipped_steps", 0))
+        for group, key in zip(optimizer.param_groups, group_keys):
+            group.update({k: v for k, v in saved_groups[key].items() if k in _GROUP_KEYS})
     scheduler_path = os.path.join(portable_dir(checkpoint), _SCHEDULER)
     if scheduler is not None and os.path.isfile(scheduler_path):
         scheduler.load_state_dict(torch.load(scheduler_path, weights_only=True))
+        if fresh and len(scheduler.get_last_lr()) == len(optimizer.param_groups):
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
     return meta
 
 

@@ -114,7 +114,8 @@ def load_with_trainer(trainer: Any, checkpoint: str) -> bool:
     muon = muon_of(trainer.optimizer)
     if muon is None or not has_portable_state(checkpoint):
         return False
-    meta = load_portable(muon, trainer.model, checkpoint, scheduler=trainer.lr_scheduler)
+    meta = load_portable(muon, trainer.model, checkpoint, scheduler=trainer.lr_scheduler,
+                         allow_fresh_state=_allow_fresh(trainer))
     was, now = meta.get("written_under", {}), describe_layout(trainer)
     logger.info(f"resumed optimizer state from {checkpoint}: written under {was.get('backend', '?')} at "
                 f"{was.get('world_size', '?')} ranks, loaded under {now['backend']} at {now['world_size']}")
