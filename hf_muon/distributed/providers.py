@@ -60,6 +60,10 @@ class LayoutProvider:
     def check_group(self, group: dict[str, Any]) -> None:
         """Refuse group keys, or clear tensor flags, that would make the backend act on its own."""
 
+    def owns(self, flat: Tensor, matrices: list[Tensor]) -> bool:
+        """Whether ``flat`` is one of this backend's flat tensors standing in for ``matrices`` (cheap, local)."""
+        return False
+
     def bind(self, flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition | None:
         """Where each of ``matrices`` (a Muon group's model parameters) sits in ``flat``, the tensor
         ``step()`` got in their place; ``None`` if this backend did not make ``flat``. Called once
@@ -127,6 +131,11 @@ def check_group(group: dict[str, Any]) -> None:
     """Let every provider refuse or clean a param group (see :meth:`LayoutProvider.check_group`)."""
     for provider in providers():
         provider.check_group(group)
+
+
+def owned_by_a_backend(flat: Tensor, matrices: list[Tensor]) -> bool:
+    """Whether a registered provider's backend made ``flat`` in place of ``matrices`` (no collectives)."""
+    return any(provider.owns(flat, matrices) for provider in providers())
 
 
 def bind_partition(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition | None:

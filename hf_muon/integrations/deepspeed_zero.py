@@ -196,6 +196,9 @@ class DeepSpeedZeroProvider(LayoutProvider):
     def check_group(self, group: dict[str, Any]) -> None:
         check_use_muon(group)
 
+    def owns(self, flat: Tensor, matrices: list[Tensor]) -> bool:
+        return is_zero_partition(flat, matrices)
+
     def bind(self, flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatPartition | None:
         if not is_zero_partition(flat, matrices):
             return None

@@ -105,8 +105,12 @@ def save_with_trainer(trainer: Any, output_dir: str) -> None:
     muon = muon_of(trainer.optimizer)
     if muon is None or trainer.args.save_only_model:
         return
-    save_portable(muon, trainer.model, output_dir, scheduler=trainer.lr_scheduler,
-                  written_under=describe_layout(trainer))
+    try:
+        save_portable(muon, trainer.model, output_dir, scheduler=trainer.lr_scheduler,
+                      written_under=describe_layout(trainer))
+    except (KeyError, RuntimeError, NotImplementedError) as error:  # the same on every rank: no collective started
+        logger.warning(f"hf_muon_state/ NOT written to {output_dir} ({error}): this checkpoint resumes only under "
+                       "the layout that wrote it")
 
 
 def load_with_trainer(trainer: Any, checkpoint: str) -> bool:

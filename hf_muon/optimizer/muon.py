@@ -20,7 +20,7 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
-from ..distributed.providers import FlatPartition, bind_partition, describe_providers
+from ..distributed.providers import FlatPartition, bind_partition, describe_providers, owned_by_a_backend
 from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, is_dtensor, local, make_exchange
 from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
 from .groups import build_param_groups, validate_group
@@ -273,6 +273,7 @@ class Muon(Optimizer):
         # stands for. Partitions are read by a registered layout provider (hf_muon.distributed.providers).
         self._group_tensors: list[list[Tensor]] = []
         self._group_tensor_ids: list[set[int]] = []
+        self._backend_groups: set[int] = set()  # matrices_index of groups a backend holds as flat partitions
         # (matrices_index, data_ptr, numel) of each flat tensor seen -> (the flat, its partition)
         self._partitions: dict[tuple[int, int, int], tuple[Tensor, FlatPartition]] = {}
         self._partition_exchanges: dict[tuple, Exchange] = {}
@@ -342,8 +343,16 @@ class Muon(Optimizer):
 
     def _is_backend_flat(self, group: dict, t: Tensor) -> bool:
         """Whether ``t``, a tensor ``step()`` got for ``group``, is a flat buffer a backend put in place of
-        the group's tensors (DeepSpeed ZeRO), rather than one of them or an FSDP2 shard of one."""
-        return t.ndim == 1 and id(t) not in self._group_tensor_ids[group["matrices_index"]] and not is_dtensor(t)
+        the group's tensors (DeepSpeed ZeRO), rather than one of them, an FSDP2 shard of one, or a
+        whole-tensor copy (DeepSpeed stage 0 in bf16/fp16 keeps fp32 copies of each tensor)."""
+        index = group["matrices_index"]
+        if t.ndim != 1 or id(t) in self._group_tensor_ids[index] or is_dtensor(t):
+            return False
+        if index not in self._backend_groups:  # ask the providers once the backend has shown up
+            if not owned_by_a_backend(t, self._group_tensors[index]):
+                return False
+            self._backend_groups.add(index)
+        return True
 
     def _held_by_backend(self, group: dict) -> bool:
         """Whether a backend holds ``group``'s tensors as flat partitions (ZeRO-3 even leaves ``params``
