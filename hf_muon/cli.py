@@ -36,8 +36,23 @@ def _human(n: float) -> str:
     return f"{n:.1f}P"
 
 
-def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | None = None) -> str:
-    """The split of the model at ``path`` (a model folder or a config.json) as a text table."""
+def describe_blocks(shape: tuple[int, ...], blocks) -> str:
+    """``q 64x64 | k 16x64 | v 16x64``; heads summarised: ``q 8 heads of 8x64 | ...``."""
+    parts: list[tuple[str, int, str]] = []  # (logical matrix, count, block shape)
+    for name, (rows, cols) in zip(blocks.names, blocks.shapes(shape)):
+        kind = name.split(".h")[0]
+        if parts and parts[-1][0] == kind and parts[-1][2] == f"{rows}x{cols}" and ".h" in name:
+            parts[-1] = (kind, parts[-1][1] + 1, parts[-1][2])
+        else:
+            parts.append((kind, 1, f"{rows}x{cols}"))
+    return " | ".join(f"{kind} {n} heads of {s}" if n > 1 else f"{kind} {s}" for kind, n, s in parts)
+
+
+def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | None = None,
+                  ns_split: str = "block") -> str:
+    """The split of the model at ``path`` (a model folder or a config.json) as a text table, and the
+    blocks fused projections are orthogonalized in (``ns_split``)."""
+    from .models.fused import fused_blocks
     from .optimizer.param_split import optimizer_state_bytes, split_parameters
 
     model = _build_model(path)
@@ -60,6 +75,12 @@ def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | N
         f"Optimizer state (fp32): hf_muon {_human(state['hf_muon'])}B vs all-AdamW {_human(state['all_adamw'])}B "
         f"({state['hf_muon'] / max(state['all_adamw'], 1):.2f}x)",
     ]
+    muon = {id(p) for _, p in split.muon}
+    blocks = [(name, tuple(model.get_parameter(name).shape), b)
+              for key, (name, b) in fused_blocks(model, ns_split).items() if key in muon]
+    lines += ["", f"Newton–Schulz blocks (ns_split={ns_split}): "
+              + (f"{len(blocks)} fused tensors, each orthogonalized block by block" if blocks else "none, whole matrices")]
+    lines += [f"  {name:<{width}}  {describe_blocks(shape, b)}" for name, shape, b in blocks]
     return "\n".join(lines)
 
 
@@ -82,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p_inspect.add_argument("model", help="a model folder or config.json (a local path: nothing is downloaded)")
     p_inspect.add_argument("--force_muon", help="regex of parameter names to give Muon anyway")
     p_inspect.add_argument("--force_adamw", help="regex of parameter names to give AdamW anyway")
+    p_inspect.add_argument("--ns_split", default="block", choices=["block", "head", "none"],
+                           help="how fused projections are cut for Newton–Schulz (as Muon's ns_split)")
     sub.add_parser("run", help="run a training script with --optim muon registered (python -m hf_muon.run)")
     from .bench.run import add_arguments as add_bench_arguments
 
@@ -109,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "inspect":
         if not os.path.exists(args.model):
             parser.error(f"{args.model}: no such file or folder (hf-muon inspect reads local configs only)")
-        print(inspect_model(args.model, args.force_muon, args.force_adamw))
+        print(inspect_model(args.model, args.force_muon, args.force_adamw, args.ns_split))
 
 
 if __name__ == "__main__":

@@ -340,9 +340,25 @@ def test_zero3_with_zero_init_in_bf16(tmp_path):
     report = str(tmp_path / "report")
     run_ok(accelerate("deepspeed_zero3.yaml", "--from_config", "--bf16", "--use_cpu", "--output_dir", str(tmp_path),
                       "--optim", "muon", "--max_steps", "4", "--save_strategy", "no", "--report", report, *TRAIN))
-    for r in check_run(report, 4, "deepspeed"):
+    reports = check_run(report, 4, "deepspeed")
+    for r in reports:
         assert r["built_partitioned"] and r["dtype"] == "torch.bfloat16" and train_loss_fell(r), r
         check_zero3_persistence(r)
+    check_telemetry(reports, exchanged=True)
+
+
+def check_telemetry(reports: list[dict], exchanged: bool | None) -> None:
+    """Muon's figures are in every training log, reduced over ranks (so every rank logs the same).
+    ``exchanged``: whether the owner exchange moves bytes (``None``: it may, ZeRO-1/2 straddlers)."""
+    from hf_muon.optimizer.telemetry import TELEMETRY_KEYS
+
+    logs = [r["telemetry"] for r in reports]
+    assert logs[0] and all(set(TELEMETRY_KEYS) <= set(entry) for entry in logs[0]), logs[0]
+    assert all(log == logs[0] for log in logs), logs
+    for entry in logs[0]:
+        assert 0 < entry["muon/update_rms"] < 1 and 0 < entry["muon/adamw_update_rms"] < 1, entry
+        assert entry["muon/ns_ms"] > 0, entry
+        assert exchanged is None or (entry["muon/exchange_bytes"] > 0) == exchanged, entry
 
 
 def check_zero3_persistence(r: dict) -> None:
@@ -407,6 +423,7 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_answer(tmp_path, case):
         assert train_loss_fell(r)
         if case == "zero3":
             check_zero3_persistence(r)
+    check_telemetry(reports(full), exchanged=None if case in ("zero1", "zero2") else True)
     checkpoint = os.path.join(full, "checkpoint-3")
     assert os.path.isdir(checkpoint), sorted(glob.glob(os.path.join(full, "*")))
     run_ok(command("--output_dir", resumed, "--dump_params", resumed, "--report", resumed,

@@ -54,6 +54,17 @@ def test_same_answer_as_one_process(tmp_path, backend, accumulation):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_fused_blocks_give_the_single_process_answer(tmp_path, backend):
+    """GPT-2's fused c_attn (a Conv1D: FSDP2 shards its rows, the blocks are columns): the owner
+    gathers the whole matrix, then orthogonalizes q, k and v apart, as one process does."""
+    r = run_same_answer(tmp_path, backend, "--model", "gpt2", "--steps", "4")
+    assert max(r["max_rel_diff"]) <= 1e-5
+    assert r["ns_matrices"] == r["muon_tensors"] + 2 * 2  # two layers, q | k | v: two extra per layer
+    assert sum(r["ns_calls"]) == r["ns_matrices"] * r["steps"]
+
+
+@pytest.mark.slow
 def test_bf16_exchange_halves_traffic(tmp_path):
     r = run_same_answer(tmp_path, "fsdp2", "--comm_dtype", "bfloat16")
     # bf16 on the wire rounds each update to 8 bits of mantissa; measured here: 2.0e-2 after 10 steps

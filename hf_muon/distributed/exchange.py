@@ -129,7 +129,7 @@ def orthogonalize_distributed(
     pieces: list[Tensor],
     layouts: list[TensorLayout],
     owners: list[int],
-    orthogonalize_fn: Callable[[list[Tensor]], list[Tensor]],
+    orthogonalize_fn: Callable[[list[Tensor], list[int]], list[Tensor]],
     *,
     group: dist.ProcessGroup | None,
     rank: int,
@@ -143,7 +143,8 @@ def orthogonalize_distributed(
     Args:
         pieces: this rank's flat piece of each tensor (``layouts[i].ranges[rank]`` long, maybe empty).
         layouts, owners: the same lists on every rank.
-        orthogonalize_fn: maps whole tensors (global shapes) to their orthogonalized updates.
+        orthogonalize_fn: maps whole tensors (global shapes) and their indices in ``pieces`` to their
+            orthogonalized updates (the indices say which tensor each is: fused ones are cut in blocks).
         comm_dtype: dtype on the wire (e.g. ``torch.bfloat16`` halves traffic); default: the pieces'.
     """
     dtype = comm_dtype or (pieces[0].dtype if pieces else torch.float32)
@@ -155,7 +156,7 @@ def orthogonalize_distributed(
                                 stats=stats, dtype=dtype, device=device)
         owned = list(wholes)
         # 2. one Newton–Schulz per owned tensor (batched by shape inside orthogonalize_fn)
-        ortho = dict(zip(owned, orthogonalize_fn([wholes[i] for i in owned]))) if owned else {}
+        ortho = dict(zip(owned, orthogonalize_fn([wholes[i] for i in owned], owned))) if owned else {}
         stats.tensors_orthogonalized += len(owned)
         # 3. results -> every rank that holds a piece
         send = [[] for _ in range(world)]

@@ -88,7 +88,7 @@ def exchange_over(
     ``ns_dtype`` is the Newton–Schulz dtype the owner plan costs; it must be the same on every rank."""
     owners = assign_owners(layouts, world, ns_steps, ns_dtype)
 
-    def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
+    def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor], list[int]], list[Tensor]]) -> list[Tensor]:
         pieces = [b.reshape(-1) for b in blended]
         out = orthogonalize_distributed(
             pieces, layouts, owners, newton_schulz, group=group, rank=rank, world=world, stats=stats,

@@ -37,6 +37,8 @@ OPTIM_ARGS = {
     "adamw_lr": float,
     "force_muon": str,
     "force_adamw": str,
+    "ns_split": str,
+    "telemetry": lambda v: _BOOL[v.lower()],
     # not a Muon setting: a resume whose checkpoint has no usable optimizer state continues fresh (loudly)
     "allow_fresh_state": lambda v: _BOOL[v.lower()],
 }
@@ -183,6 +185,7 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         params=split.param_groups(no_decay=no_decay, weight_decay=args.weight_decay),
+        model=model,  # fused projections are read from it (ns_split)
         **options,
     )
     return Muon, kwargs
@@ -191,11 +194,13 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
 def on_trainer(trainer_module: ModuleType) -> None:
     """Import hook of ``transformers.trainer``: make ``Trainer.get_optimizer_cls_and_kwargs`` answer for
     ``muon``, check DeepSpeed configs once the Trainer's Accelerator exists, and make checkpoints
-    resume under any layout (:mod:`hf_muon.integrations.trainer_checkpoints`) (idempotent)."""
-    from . import trainer_checkpoints
+    resume under any layout (:mod:`hf_muon.integrations.trainer_checkpoints`), and log Muon's figures
+    (:mod:`hf_muon.integrations.trainer_telemetry`) (idempotent)."""
+    from . import trainer_checkpoints, trainer_telemetry
     from .deepspeed_config import check_trainer
 
     trainer_checkpoints.on_trainer(trainer_module)
+    trainer_telemetry.on_trainer(trainer_module)
     trainer_cls = internal(trainer_module, "Trainer", LIBRARY)
 
     def wrap_lookup(original):

@@ -23,15 +23,17 @@ from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
 from ..distributed.providers import FlatPartition, bind_partition, describe_providers, owned_by_a_backend
 from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, is_dtensor, local, make_exchange
 from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
-from .groups import build_param_groups, validate_group
-from .param_split import MUON
+from ..models.fused import NS_SPLITS, Blocks, fused_blocks
+from .groups import build_param_groups, module_behind, validate_group
+from .param_split import MUON, shape_of
 from .shards import PendingState
 from .summary import describe_optimizer
+from .telemetry import Stopwatch, StepFigures, Telemetry
 
 logger = logging.getLogger("hf_muon")
 
-# (blended local pieces, Newton–Schulz on whole tensors) -> orthogonalized local pieces
-Exchange = Callable[[list[Tensor], Callable[[list[Tensor]], list[Tensor]]], list[Tensor]]
+# (blended local pieces, Newton–Schulz on whole tensors given with their indices) -> orthogonalized local pieces
+Exchange = Callable[[list[Tensor], Callable[[list[Tensor], list[int]], list[Tensor]]], list[Tensor]]
 # orthogonalize's signature: (G [..., rows, cols], steps, coefficients, dtype) -> orthogonalized G in dtype
 OrthogonalizeFn = Callable[[Tensor, int, str, torch.dtype], Tensor]
 
@@ -96,27 +98,59 @@ def plan_ns_dtype(ns_dtype: torch.dtype | str | None) -> torch.dtype:
 
 def orthogonalize_all(
     updates: list[Tensor], stacked: bool, steps: int, coefficients: str, ns_dtype: torch.dtype | str | None,
-    orthogonalize_fn: OrthogonalizeFn | None = None,
+    orthogonalize_fn: OrthogonalizeFn | None = None, blocks: list[Blocks | None] | None = None,
+    block_scales: list[list[float] | None] | None = None,
 ) -> list[Tensor]:
     """Newton–Schulz of every update, one batched call per (shape, device), in the NS dtype.
 
-    ``orthogonalize_fn`` (default :func:`hf_muon.kernels.orthogonalize`) runs on each batch."""
+    ``orthogonalize_fn`` (default :func:`hf_muon.kernels.orthogonalize`) runs on each batch. An update
+    with ``blocks[i]`` (a fused projection) is orthogonalized block by block and reassembled in
+    float32, each block times ``block_scales[i][k]`` (its learning-rate scale relative to the tensor's)."""
     fn = orthogonalize_fn if orthogonalize_fn is not None else orthogonalize
-    mats = [as_matrices(u, stacked) for u in updates]
+    mats: list[Tensor] = []
+    owner: list[int] = []  # which update each matrix batch belongs to
+    for i, u in enumerate(updates):
+        cut = blocks[i] if blocks is not None else None
+        parts = cut.split(u) if cut is not None else [u]
+        mats.extend(as_matrices(part, stacked) for part in parts)
+        owner.extend([i] * len(parts))
     buckets: dict[tuple, list[int]] = {}
-    for i, m in enumerate(mats):
-        buckets.setdefault((tuple(m.shape[1:]), m.device), []).append(i)
-    out: list[Tensor] = [None] * len(updates)  # type: ignore[list-item]
+    for j, m in enumerate(mats):
+        buckets.setdefault((tuple(m.shape[1:]), m.device), []).append(j)
+    ortho_mats: list[Tensor] = [None] * len(mats)  # type: ignore[list-item]
     for (shape, device), indices in buckets.items():
         dtype = resolve_ns_dtype(ns_dtype, device)
         # stacked straight into the Newton–Schulz dtype (updates of any dtype share a batch): one
         # copy, not a cat and then a cast
-        batch = torch.empty(sum(mats[i].shape[0] for i in indices), *shape, dtype=dtype, device=device)
-        torch.cat([mats[i] for i in indices], out=batch)
+        batch = torch.empty(sum(mats[j].shape[0] for j in indices), *shape, dtype=dtype, device=device)
+        torch.cat([mats[j] for j in indices], out=batch)
         ortho = fn(batch, steps, coefficients, dtype)
-        for i, piece in zip(indices, ortho.split([mats[i].shape[0] for i in indices])):
-            out[i] = piece.reshape(updates[i].shape)
+        for j, piece in zip(indices, ortho.split([mats[j].shape[0] for j in indices])):
+            ortho_mats[j] = piece
+    out: list[Tensor] = []
+    j = 0
+    for i, u in enumerate(updates):
+        cut = blocks[i] if blocks is not None else None
+        if cut is None:
+            out.append(ortho_mats[j].reshape(u.shape))
+            j += 1
+            continue
+        n = len(cut.segments)
+        parts = [m.reshape(m.shape[1:]) for m in ortho_mats[j: j + n]]
+        scales = block_scales[i] if block_scales is not None else None
+        if scales is not None and any(s != 1.0 for s in scales):
+            parts = [part.float() * s for part, s in zip(parts, scales)]
+        out.append(cut.join(parts, torch.empty(u.shape, dtype=parts[0].dtype, device=u.device)))
+        j += n
     return out
+
+
+def block_lr_scales(shape: tuple[int, ...], blocks: Blocks, rule: str) -> tuple[float, list[float] | None]:
+    """A fused tensor's learning-rate scale (its first block's) and each block's relative to it
+    (``None`` when all blocks share it): each block is a matrix of its own shape."""
+    scales = [lr_scale(rows, cols, rule) for rows, cols in blocks.shapes(shape)]
+    relative = [s / scales[0] for s in scales]
+    return scales[0], (relative if any(r != 1.0 for r in relative) else None)
 
 
 def muon_update(
@@ -136,6 +170,8 @@ def muon_update(
     shapes: list[tuple[int, ...]] | None = None,
     exchange: Exchange | None = None,
     orthogonalize_fn: OrthogonalizeFn | None = None,
+    blocks: list[Blocks | None] | None = None,
+    figures: StepFigures | None = None,
 ) -> None:
     """One Muon step on ``params`` in place (the functional form of :class:`Muon`'s Muon half).
 
@@ -143,24 +179,44 @@ def muon_update(
     then ``shapes`` gives the whole tensors' shapes and ``exchange`` orthogonalizes the blended
     pieces as whole tensors (see ``hf_muon.distributed``). Everything else is element-wise.
     ``orthogonalize_fn`` replaces :func:`hf_muon.kernels.orthogonalize` (same signature).
+    ``blocks[i]`` cuts tensor ``i`` (a fused projection) into the matrices orthogonalized, each with
+    the learning-rate scale of its own shape (see :mod:`hf_muon.models.fused`). ``figures`` records
+    what this rank orthogonalized (see :mod:`hf_muon.optimizer.telemetry`).
     """
     if not params:
         return
     shapes = shapes or [tuple(p.shape) for p in params]
+    blocks = blocks if blocks is not None else [None] * len(params)
+    scales, relative = [], []
+    for shape, cut in zip(shapes, blocks):
+        if cut is None:
+            _, rows, cols = as_matrices(torch.empty(shape, device="meta"), stacked).shape
+            scales.append(lr_scale(rows, cols, adjust_lr))
+            relative.append(None)
+        else:
+            scale, rel = block_lr_scales(shape, cut, adjust_lr)
+            scales.append(scale)
+            relative.append(rel)
     torch._foreach_lerp_(momentum_buffers, grads, 1 - momentum)
     blended = torch._foreach_lerp(grads, momentum_buffers, momentum) if nesterov else momentum_buffers
 
-    def newton_schulz(whole: list[Tensor]) -> list[Tensor]:
-        return orthogonalize_all(whole, stacked, ns_steps, ns_coefficients, ns_dtype, orthogonalize_fn)
+    def newton_schulz(whole: list[Tensor], which: list[int]) -> list[Tensor]:
+        """Whole tensors ``which`` (indices into ``params``) -> their orthogonalized updates."""
+        watch = Stopwatch(whole[0].device) if figures is not None and whole else None
+        out = orthogonalize_all(whole, stacked, ns_steps, ns_coefficients, ns_dtype, orthogonalize_fn,
+                                [blocks[i] for i in which], [relative[i] for i in which])
+        if watch is not None:
+            figures.watches.append(watch.stop())
+            figures.add_update(out, [scales[i] for i in which], lr)
+        return out
 
-    ortho = newton_schulz(blended) if exchange is None else exchange(blended, newton_schulz)
+    ortho = newton_schulz(blended, list(range(len(blended)))) if exchange is None else exchange(blended, newton_schulz)
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
-    # Same-shape matrices share one scale, so each shape is one foreach call.
+    # Same-scale tensors share one foreach call.
     by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
-    for p, o, shape in zip(params, ortho, shapes):
-        _, rows, cols = as_matrices(torch.empty(shape, device="meta"), stacked).shape
-        ps, os_ = by_scale.setdefault(lr_scale(rows, cols, adjust_lr), ([], []))
+    for p, o, scale in zip(params, ortho, scales):
+        ps, os_ = by_scale.setdefault(scale, ([], []))
         ps.append(p)
         os_.append(o.view(p.shape))
     # An update in another dtype (bf16 Newton–Schulz) is added as it is: add_ upcasts it inside the
@@ -219,6 +275,13 @@ class Muon(Optimizer):
         orthogonalize_fn: Newton–Schulz with :func:`hf_muon.kernels.orthogonalize`'s signature
             ``(G, steps, coefficients, dtype) -> Tensor``; ``None``: that function. The owner plan
             still balances the default kernel's cost.
+        ns_split: how fused projections (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``,
+            GPT-NeoX's ``query_key_value``, ...) are orthogonalized: ``"block"`` each logical matrix
+            (q, k, v, gate, up) on its own, ``"head"`` attention projections per head (fused or not),
+            ``"none"`` whole matrices. Read from the model (``Muon(model)``, ``model.parameters()``
+            or ``model=``); see ``fused_blocks()`` and ``hf-muon inspect``.
+        telemetry: record each step's figures for :meth:`telemetry` (the Trainer logs them): a few
+            reductions per step, no host sync.
 
     Attributes:
         skipped_steps: steps skipped because some gradient was not finite.
@@ -249,15 +312,18 @@ class Muon(Optimizer):
         comm_dtype: torch.dtype | None = None,
         process_group: dist.ProcessGroup | None = None,
         orthogonalize_fn: OrthogonalizeFn | None = None,
+        ns_split: str = "block",
+        telemetry: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, betas=betas, eps=eps,
-            foreach=foreach, stacked=False,
+            foreach=foreach, stacked=False, ns_split=ns_split,
         )
         self._check_hyperparameters(defaults)
         if adamw_lr is not None and not adamw_lr >= 0:
             raise ValueError(f"adamw_lr must be >= 0, got {adamw_lr}")
+        source_model = model if model is not None else module_behind(params)
         groups = build_param_groups(params, model, force_muon, force_adamw)
         if adamw_lr is not None:
             for group in groups:
@@ -279,7 +345,13 @@ class Muon(Optimizer):
         self._partition_exchanges: dict[tuple, Exchange] = {}
         # state read from a portable checkpoint, put into flat partitions' state as step() creates it
         self._pending_state: PendingState | None = None
+        # Fused projections' blocks, by the model tensor (see hf_muon.models.fused); each group's list
+        # follows _group_tensors. Without the model nothing can be read: whole matrices.
+        self._fused: dict[str, dict[int, tuple[str, Blocks]]] = {}
+        self._source_model = source_model
+        self._group_blocks: list[list[Blocks | None]] = []
         super().__init__(groups, defaults)
+        self._source_model = None  # not kept alive by the optimizer
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
         self.comm_dtype = comm_dtype
@@ -288,6 +360,8 @@ class Muon(Optimizer):
         self.orthogonalize_fn = orthogonalize_fn
         self.skipped_steps = 0
         self.exchange_stats = ExchangeStats()
+        self.telemetry_enabled = telemetry
+        self._telemetry = Telemetry()
         if logger.isEnabledFor(logging.INFO):
             logger.info(describe_optimizer(self.param_groups, resolve_ns_dtype))
 
@@ -316,6 +390,8 @@ class Muon(Optimizer):
             raise ValueError(f"ns_steps must be an integer in [1, 100), got {h['ns_steps']!r}")
         if h["ns_coefficients"] not in NS_COEFFICIENT_SETS:
             raise ValueError(f"ns_coefficients must be one of {NS_COEFFICIENT_SETS}, got {h['ns_coefficients']!r}")
+        if h.get("ns_split", "block") not in NS_SPLITS:
+            raise ValueError(f"ns_split must be one of {NS_SPLITS}, got {h['ns_split']!r}")
         if h["adjust_lr"] not in ADJUST_LR_RULES:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR_RULES}, got {h['adjust_lr']!r}")
         resolve_ns_dtype(h["ns_dtype"])
@@ -340,6 +416,27 @@ class Muon(Optimizer):
         group["matrices_index"] = len(self._group_tensors)
         self._group_tensors.append(list(group["params"]))
         self._group_tensor_ids.append({id(t) for t in group["params"]})
+        self._group_blocks.append(self._blocks_of(group))
+
+    def _blocks_of(self, group: dict) -> list[Blocks | None]:
+        """The blocks of each of a new group's tensors (``None``: orthogonalized whole)."""
+        if group["algorithm"] != MUON or group.get("stacked") or self._source_model is None:
+            return [None] * len(group["params"])
+        split = group["ns_split"]
+        if split not in self._fused:
+            self._fused[split] = fused_blocks(self._source_model, split)
+        table = self._fused[split]
+        return [table[id(p)][1] if id(p) in table else None for p in group["params"]]
+
+    def fused_blocks(self) -> dict[str, Blocks]:
+        """``parameter name -> Blocks`` of every Muon tensor orthogonalized block by block."""
+        names = {key: name for table in self._fused.values() for key, (name, _) in table.items()}
+        found = {}
+        for tensors, blocks in zip(self._group_tensors, self._group_blocks):
+            for t, cut in zip(tensors, blocks):
+                if cut is not None:
+                    found[names.get(id(t), f"tensor of shape {tuple(t.shape)}")] = cut
+        return found
 
     def _is_backend_flat(self, group: dict, t: Tensor) -> bool:
         """Whether ``t``, a tensor ``step()`` got for ``group``, is a flat buffer a backend put in place of
@@ -364,6 +461,13 @@ class Muon(Optimizer):
     def model_tensors(self, group: dict) -> list[Tensor]:
         """The model's parameters ``group`` stands for (a backend may have swapped ``params`` for flat partitions)."""
         return self._group_tensors[group["matrices_index"]] if self._held_by_backend(group) else list(group["params"])
+
+    def stepped_tensors(self, group: dict) -> list[Tensor]:
+        """The tensors ``step()`` updates for ``group`` and keys its state by: the backend's flat partitions
+        where one holds the group (ZeRO-3 leaves ``params`` empty between steps), else ``params``."""
+        if self._held_by_backend(group):
+            return [flat for key, (flat, _) in self._partitions.items() if key[0] == group["matrices_index"]]
+        return list(group["params"])
 
     # torch.amp.GradScaler then calls step() even on an overflow (setting grad_scale/found_inf), so a
     # skipped step is seen here: counted in skipped_steps, and agreed on by all ranks of a sharded run.
@@ -428,6 +532,7 @@ class Muon(Optimizer):
             warnings.warn(f"hf_muon.Muon skipped a step with non-finite gradients ({self.skipped_steps} so far)")
             return loss
         for group in self.param_groups:
+            self._telemetry.lrs[group["matrices_index"]] = group["lr"]
             if group["algorithm"] == MUON:
                 self._muon_group_step(group)
             else:
@@ -436,6 +541,8 @@ class Muon(Optimizer):
 
     def _muon_group_step(self, group: dict) -> None:
         with_grad = [p for p in group["params"] if p.grad is not None]
+        blocks = [cut for p, cut in zip(group["params"], self._group_blocks[group["matrices_index"]])
+                  if p.grad is not None]
         if with_grad and with_grad[0].ndim == 1:
             self._flat_partition_step(group, with_grad)
             return
@@ -454,10 +561,11 @@ class Muon(Optimizer):
             exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
                                      self.bucket_bytes, self.comm_dtype, plan_ns_dtype(group["ns_dtype"]),
                                      self.process_group)
+        replicated = exchange is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._apply_muon(
             group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
             [local(self.state[p]["momentum_buffer"]) for p in with_grad], [tuple(p.shape) for p in with_grad],
-            exchange,
+            exchange, blocks, (group["matrices_index"], None), replicated,
         )
 
     def _flat_partition_step(self, group: dict, flats: list[Tensor]) -> None:
@@ -484,7 +592,8 @@ class Muon(Optimizer):
                     self.bucket_bytes, self.comm_dtype, plan_dtype)
             exchange = self._partition_exchanges[plan_key]
             self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]),
-                             [layout.shape for layout in part.layouts], exchange)
+                             [layout.shape for layout in part.layouts], exchange, self._partition_blocks(group, part),
+                             key)
 
     def _partition_of(self, group: dict, flat: Tensor) -> FlatPartition:
         """The partition ``flat`` (a backend's flat tensor standing in for the group's tensors) is,
@@ -518,14 +627,50 @@ class Muon(Optimizer):
                              f"{part.backend} leave process_group unset: its own group is used")
         return part
 
-    def _apply_muon(self, group: dict, params, grads, buffers, shapes, exchange: Exchange | None) -> None:
+    def _partition_blocks(self, group: dict, part: FlatPartition) -> list[Blocks | None]:
+        """The blocks of each tensor of a flat partition, found by the model parameter it is."""
+        index = group["matrices_index"]
+        by_tensor = {id(t): cut for t, cut in zip(self._group_tensors[index], self._group_blocks[index])}
+        if not part.params:
+            if any(by_tensor.values()):
+                raise RuntimeError(f"hf_muon.Muon: {part.backend}'s partition does not say which parameters it holds, "
+                                   "so fused projections cannot be cut in blocks; pass ns_split='none'")
+            return [None] * len(part.layouts)
+        return [by_tensor.get(id(p)) for p in part.params]
+
+    def _apply_muon(self, group: dict, params, grads, buffers, shapes, exchange: Exchange | None,
+                    blocks: list[Blocks | None], figures_key: tuple, replicated: bool = False) -> None:
+        figures = self._telemetry.begin(figures_key) if self.telemetry_enabled else None
+        sent = self.exchange_stats.bytes_sent + self.exchange_stats.bytes_received
         muon_update(
             params, grads, buffers,
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"], stacked=group["stacked"],
-            shapes=shapes, exchange=exchange, orthogonalize_fn=self.orthogonalize_fn,
+            shapes=shapes, exchange=exchange, orthogonalize_fn=self.orthogonalize_fn, blocks=blocks,
+            figures=figures,
         )
+        if figures is not None:
+            figures.exchange_bytes = self.exchange_stats.bytes_sent + self.exchange_stats.bytes_received - sent
+            figures.replicated = replicated
+
+    def telemetry(self) -> dict[str, float]:
+        """The last step's figures: ``muon/update_rms`` and ``muon/adamw_update_rms`` (RMS of each half's
+        update, weight decay aside), ``muon/lr`` and ``muon/adamw_lr`` (first group of each), ``muon/ns_ms``
+        (the slowest rank's Newton–Schulz time), ``muon/exchange_bytes`` (sent + received per rank),
+        ``muon/skipped_steps``, and what attached features add (e.g. ``muon/max_attention_logit``).
+
+        In a multi-rank run this reduces over the ranks: call it on every rank (the Trainer does, at
+        each logging step). Raises if the optimizer was built with ``telemetry=False``."""
+        if not self.telemetry_enabled:
+            raise RuntimeError("hf_muon.Muon(telemetry=False) records nothing; build it with telemetry=True")
+        muon_numel = sum(math.prod(shape_of(t)) for g in self.param_groups if g["algorithm"] == MUON
+                         for t in self.model_tensors(g))
+        return self._telemetry.read(self, self.process_group, muon_numel)
+
+    def add_telemetry_source(self, source: Callable[[], dict[str, float]]) -> None:
+        """Add ``source()``'s figures to every :meth:`telemetry` reading (called there, on every rank)."""
+        self._telemetry.sources.append(source)
 
     def _adamw_group_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -44,6 +44,39 @@ class Block(nn.Module):
         return self.head(self.norm(h))
 
 
+def build(name: str) -> nn.Module:
+    """``block`` (the mixed shapes above) or ``gpt2``: a tiny GPT-2 whose fused ``c_attn`` (q | k | v
+    column blocks of a Conv1D) the optimizer orthogonalizes block by block."""
+    if name == "block":
+        return Block()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def reference_accumulation(name: str, world: int, accumulation: int) -> int:
+    """Micro-batches of the one-process reference. GPT-2 sees the ranks' own micro-batches, summed in
+    one process: its updates amplify round-off (a full batch vs two halves, both in one process,
+    differ by 3e-5 after 2 steps), so only the summation order may differ from the sharded run."""
+    return 1 if name == "block" else world * accumulation
+
+
+def sharded_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards on their own before the root."""
+    if isinstance(model, Block):
+        return [model.q, model.kv, model.up, model.down, model.conv]
+    return list(model.transformer.h)
+
+
+def matrices_per_step(opt) -> int:
+    """Newton–Schulz runs one optimizer step makes: one per Muon tensor, one per block of a fused one."""
+    tensors = sum(len(t) for g, t in zip(opt.param_groups, opt._group_tensors) if g["algorithm"] == "muon")
+    blocks = opt.fused_blocks().values()
+    return tensors + sum(len(b.segments) - 1 for b in blocks)
+
+
 def counting_newton_schulz():
     """``(fn, calls)``: a Newton–Schulz for ``Muon(orthogonalize_fn=fn)`` that counts the matrices it
     orthogonalizes in this process in ``calls["n"]``."""
@@ -59,7 +92,9 @@ def counting_newton_schulz():
 
 
 def loss_fn(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+    out = model(ids)
+    logits = getattr(out, "logits", out)  # a transformers model returns an output object
+    return nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
 
 
 def train(model, opt, batches, accumulation: int, rank: int, world: int) -> None:
@@ -80,19 +115,21 @@ def main() -> None:
     # DDP over an explicit process group: "new_group" of all ranks, or "per_rank" (each rank alone:
     # no exchange, every rank orthogonalizes every matrix)
     parser.add_argument("--process_group", choices=["default", "new_group", "per_rank"], default="default")
+    parser.add_argument("--model", choices=["block", "gpt2"], default="block")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    base = Block()
+    base = build(args.model)
     batches = [torch.randint(0, 64, (8, 16)) for _ in range(args.steps)]
     # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then sharded and
     # single-process runs agree to fp32 round-off, and any larger gap is a bug in the exchange.
     opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
     reference = copy.deepcopy(base)
-    train(reference, Muon(reference, distributed=False, **opt_kwargs), batches, 1, 0, 1)
+    train(reference, Muon(reference, distributed=False, **opt_kwargs), batches, reference_accumulation(args.model, world,
+          args.accumulation), 0, 1)
 
     model = copy.deepcopy(base)
     comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
@@ -110,7 +147,7 @@ def main() -> None:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        for module in (model.q, model.kv, model.up, model.down, model.conv):
+        for module in sharded_units(model):
             fully_shard(module, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
         opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
@@ -133,6 +170,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({
                 "world": world, "steps": args.steps, "muon_tensors": len(muon_params), "muon_numel": muon_numel,
+                "ns_matrices": matrices_per_step(opt),
                 "max_rel_diff": [g[0].item() for g in gathered], "ns_calls": [g[1].item() for g in gathered],
                 "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
                 "ns_flops_per_rank": load,

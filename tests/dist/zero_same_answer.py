@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_muon import Muon
-from same_answer import Block, counting_newton_schulz, loss_fn, train
+from same_answer import build, counting_newton_schulz, loss_fn, matrices_per_step, reference_accumulation, train
 
 BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
 # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then ZeRO and the
@@ -42,7 +42,8 @@ def zero_config(stage: int, world: int, accumulation: int, dtype: str) -> dict:
     }
 
 
-def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: int, world: int) -> dict:
+def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: int, world: int,
+              model_name: str = "block") -> dict:
     """``stage`` is 0-3, or "3init": ZeRO-3 with the model built under ``zero.Init`` (shapes hidden)."""
     import deepspeed
 
@@ -50,7 +51,7 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
     if stage == "3init":
         torch.manual_seed(0)  # the same initial values as ``base``
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = Block()
+            model = build(model_name)
         assert all(p.numel() == 0 for p in model.parameters()), "zero.Init did not partition the model"
     else:
         model = copy.deepcopy(base)
@@ -68,7 +69,8 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
     muon_numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in opt._group_tensors[0])
     return {"trained": trained, "ns_calls": calls["n"], "bytes_sent": opt.exchange_stats.bytes_sent,
             "bytes_received": opt.exchange_stats.bytes_received, "muon_numel": muon_numel,
-            "muon_tensors": len(opt._group_tensors[0]), "inner": type(engine.optimizer).__name__}
+            "muon_tensors": len(opt._group_tensors[0]), "inner": type(engine.optimizer).__name__,
+            "ns_matrices": matrices_per_step(opt)}
 
 
 def main() -> None:
@@ -77,26 +79,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--dtype", choices=["fp32", "bf16", "bf16_fp32_accum", "fp16"], default="fp32")
+    parser.add_argument("--model", choices=["block", "gpt2"], default="block")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    base = Block()
+    base = build(args.model)
     batches = [torch.randint(0, 64, (BATCH, 16)) for _ in range(args.steps)]
     reference = copy.deepcopy(base)
-    train(reference, Muon(reference, distributed=False, **OPTIMIZER), batches, 1, 0, 1)
+    train(reference, Muon(reference, distributed=False, **OPTIMIZER), batches,
+          reference_accumulation(args.model, world, args.accumulation), 0, 1)
 
     results = {}
     for stage in args.stages.split(","):
-        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world)
+        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model)
         worst = max(((t - q).abs().max() / q.abs().max()).item() for t, q in zip(r.pop("trained"), reference.parameters()))
         figures = torch.tensor([worst, r["ns_calls"], r["bytes_sent"], r["bytes_received"]], dtype=torch.float64)
         gathered = [torch.zeros_like(figures) for _ in range(world)]
         dist.all_gather(gathered, figures)
         results[stage] = {
             "world": world, "steps": args.steps, "muon_tensors": r["muon_tensors"], "muon_numel": r["muon_numel"],
-            "inner_optimizer": r["inner"], "max_rel_diff": [g[0].item() for g in gathered],
+            "inner_optimizer": r["inner"], "ns_matrices": r["ns_matrices"], "max_rel_diff": [g[0].item() for g in gathered],
             "ns_calls": [g[1].item() for g in gathered], "bytes_sent": [g[2].item() for g in gathered],
             "bytes_received": [g[3].item() for g in gathered],
         }

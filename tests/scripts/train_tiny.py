@@ -122,6 +122,8 @@ def main() -> None:
             persistent=[n for n, p in trainer.model.named_parameters() if getattr(p, "ds_persist", False)],
             first_batch=first_batch[:, :8].tolist(),
             train_losses=losses, eval_loss_after=after, global_step=trainer.state.global_step,
+            telemetry=[{k: v for k, v in e.items() if k.startswith("muon/")} for e in trainer.state.log_history
+                       if "loss" in e],
         )
         with open(f"{script.report}.rank{args.process_index}.json", "w") as f:
             json.dump(report, f)

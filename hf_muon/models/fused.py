@@ -1,0 +1,273 @@
+"""Fused projections: the logical matrices a model stores in one weight, read from its own code.
+
+GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, column blocks), Phi-3 in ``qkv_proj`` (row
+blocks of GQA sizes) and its MLP's gate and up in ``gate_up_proj``, GPT-NeoX, Bloom and Persimmon
+interleave them per head, Falcon per head or per key/value group. Newton–Schulz on the fused weight
+is not Muon on q, k and v: each block of the update would follow the whole matrix's polar factor.
+:func:`fused_blocks` says, for each such weight, which rows or columns make each logical block, from
+the attention/MLP module's type and the model's config (as the module's own ``forward`` splits its
+output), never from parameter names. ``ns_split="head"`` cuts attention projections (fused or not)
+into one block per head.
+
+Nothing here imports transformers: modules are matched by class name along their MRO, so a model
+whose module subclasses a supported one (most ``Copied from`` variants do) is recognised too.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+NS_SPLITS = ("block", "head", "none")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How one 2-D weight is cut into the matrices Newton–Schulz runs on.
+
+    Along ``axis`` of the weight as stored (0: rows, e.g. ``nn.Linear`` outputs; 1: columns, e.g.
+    transformers' ``Conv1D`` outputs), block ``k`` is made of the runs ``segments[k]``, each
+    ``(start, length)``, in order. Every index of the axis is in exactly one block.
+    """
+
+    axis: int
+    segments: tuple[tuple[tuple[int, int], ...], ...]
+    names: tuple[str, ...]
+
+    def sizes(self) -> list[int]:
+        return [sum(length for _, length in runs) for runs in self.segments]
+
+    def shapes(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """Each block's ``(rows, cols)`` for a weight of ``shape``."""
+        rows, cols = shape[0], shape[1]
+        return [(n, cols) if self.axis == 0 else (rows, n) for n in self.sizes()]
+
+    def indices(self, device: torch.device | str = "cpu") -> list[Tensor]:
+        """Each block's rows (or columns) of the weight, in order."""
+        return [_indices(runs, torch.device(device)) for runs in self.segments]
+
+    def split(self, weight: Tensor) -> list[Tensor]:
+        """The blocks of ``weight`` (copies where a block is not one run)."""
+        out = []
+        for runs in self.segments:
+            if len(runs) == 1:
+                out.append(weight.narrow(self.axis, *runs[0]))
+            else:
+                out.append(weight.index_select(self.axis, _indices(runs, weight.device)))
+        return out
+
+    def join(self, blocks: list[Tensor], out: Tensor) -> Tensor:
+        """Write ``blocks`` (as :meth:`split` returned them, any dtype) back into ``out``."""
+        for runs, block in zip(self.segments, blocks):
+            if len(runs) == 1:
+                out.narrow(self.axis, *runs[0]).copy_(block)
+            else:
+                out.index_copy_(self.axis, _indices(runs, out.device), block.to(out.dtype))
+        return out
+
+    def to_json(self) -> list:
+        """A JSON-able form (param groups carry it through ``state_dict()``)."""
+        return [self.axis, [[list(run) for run in runs] for runs in self.segments], list(self.names)]
+
+    @classmethod
+    def from_json(cls, value: list) -> Blocks:
+        axis, segments, names = value
+        return cls(int(axis), tuple(tuple((int(s), int(n)) for s, n in runs) for runs in segments), tuple(names))
+
+
+@functools.lru_cache(maxsize=1024)
+def _indices(runs: tuple[tuple[int, int], ...], device: torch.device) -> Tensor:
+    return torch.cat([torch.arange(start, start + length, device=device) for start, length in runs])
+
+
+def _contiguous(axis: int, sizes: list[tuple[str, int]]) -> Blocks:
+    """Blocks that follow each other along ``axis``: ``[(name, size), ...]``."""
+    segments, start = [], 0
+    for _, size in sizes:
+        segments.append(((start, size),))
+        start += size
+    return Blocks(axis, tuple(segments), tuple(name for name, _ in sizes))
+
+
+def _strided(axis: int, groups: int, group_size: int, parts: list[tuple[str, int, int]]) -> Blocks:
+    """Blocks interleaved in ``groups`` equal groups along ``axis``: part ``(name, offset, size)`` of
+    every group makes one block (GPT-NeoX: per head ``[q | k | v]``)."""
+    segments = tuple(tuple((g * group_size + offset, size) for g in range(groups)) for _, offset, size in parts)
+    return Blocks(axis, segments, tuple(name for name, _, _ in parts))
+
+
+def _per_head(blocks: Blocks, head_dim: int, attention: tuple[str, ...] = ("q", "k", "v")) -> Blocks:
+    """``blocks`` with each attention block (q, k, v) cut into heads of ``head_dim``; others kept."""
+    segments, names = [], []
+    for name, runs in zip(blocks.names, blocks.segments):
+        if name not in attention:
+            segments.append(runs)
+            names.append(name)
+            continue
+        heads = [(start + h, head_dim) for start, length in runs for h in range(0, length, head_dim)]
+        segments.extend(((run,) for run in heads))
+        names.extend(f"{name}.h{i}" for i in range(len(heads)))
+    return Blocks(blocks.axis, tuple(segments), tuple(names))
+
+
+def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
+    """``(heads, key/value heads, head_dim)`` of an attention module, from the module or the config."""
+    heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
+    head_dim = getattr(module, "head_dim", None)
+    kv = (getattr(module, "num_key_value_heads", None) or getattr(module, "num_kv_heads", None)
+          or getattr(config, "num_key_value_heads", None) or heads)
+    if head_dim is None:
+        head_dim = config.hidden_size // heads
+    return int(heads), int(kv), int(head_dim)
+
+
+# module class name -> rule(module, config) yielding (submodule holding the fused weight, its blocks)
+Rule = Callable[[nn.Module, Any], Iterator[tuple[nn.Module, Blocks]]]
+
+
+def _gpt2_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    d = module.embed_dim
+    if getattr(module, "is_cross_attention", False):  # q_attn is its own weight; c_attn holds k | v
+        yield module.c_attn, _contiguous(1, [("k", d), ("v", d)])
+    else:
+        yield module.c_attn, _contiguous(1, [("q", d), ("k", d), ("v", d)])
+
+
+def _gpt_bigcode_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    d, hd = module.embed_dim, module.head_dim
+    if getattr(module, "is_cross_attention", False):
+        return
+    if module.multi_query:  # [q: d | k: hd | v: hd]
+        yield module.c_attn, _contiguous(0, [("q", d), ("k", module.kv_dim), ("v", module.kv_dim)])
+    else:  # viewed as [heads, 3 * hd]: per head [q | k | v]
+        yield module.c_attn, _strided(0, module.num_heads, 3 * hd, [("q", 0, hd), ("k", hd, hd), ("v", 2 * hd, hd)])
+
+
+def _phi3_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    heads, kv, hd = _heads(module, config)
+    yield module.qkv_proj, _contiguous(0, [("q", heads * hd), ("k", kv * hd), ("v", kv * hd)])
+
+
+def _phi3_mlp(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    ff = module.gate_up_proj.out_features // 2
+    yield module.gate_up_proj, _contiguous(0, [("gate", ff), ("up", ff)])
+
+
+def _interleaved_per_head(attribute: str) -> Rule:
+    """Output viewed as ``[heads, 3, head_dim]`` (GPT-NeoX, Bloom, Persimmon)."""
+    def rule(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+        heads, _, hd = _heads(module, config)
+        yield getattr(module, attribute), _strided(0, heads, 3 * hd, [("q", 0, hd), ("k", hd, hd), ("v", 2 * hd, hd)])
+    return rule
+
+
+def _falcon_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    heads, hd = module.num_heads, module.head_dim
+    if module.new_decoder_architecture:  # [kv groups, queries of the group + 2, hd]: its queries, key, value
+        kv = module.num_kv_heads
+        per_group = heads // kv
+        group = (per_group + 2) * hd
+        yield module.query_key_value, _strided(
+            0, kv, group, [("q", 0, per_group * hd), ("k", per_group * hd, hd), ("v", (per_group + 1) * hd, hd)])
+    elif module.multi_query:  # [q: heads * hd | k: hd | v: hd]
+        yield module.query_key_value, _contiguous(0, [("q", heads * hd), ("k", hd), ("v", hd)])
+    else:
+        yield from _interleaved_per_head("query_key_value")(module, config)
+
+
+def _mpt_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    d = module.Wqkv.out_features // 3
+    yield module.Wqkv, _contiguous(0, [("q", d), ("k", d), ("v", d)])
+
+
+FUSED_RULES: dict[str, Rule] = {
+    "GPT2Attention": _gpt2_attention,
+    "GPTBigCodeAttention": _gpt_bigcode_attention,
+    "Phi3Attention": _phi3_attention,
+    "Phi3MLP": _phi3_mlp,
+    "GPTNeoXAttention": _interleaved_per_head("query_key_value"),
+    "BloomAttention": _interleaved_per_head("query_key_value"),
+    "PersimmonAttention": _interleaved_per_head("query_key_value"),
+    "FalconAttention": _falcon_attention,
+    "MptAttention": _mpt_attention,
+}
+# Where each supported model keeps its fused weights (the README's table is checked against this).
+MODEL_TABLE = (
+    ("GPT-2, DistilGPT-2, DecisionTransformer", "GPT2Attention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
+    ("GPT-BigCode (StarCoder 1)", "GPTBigCodeAttention", "c_attn: q | k | v rows (multi-query: d | hd | hd), else per head"),
+    ("Phi-3, Phi-3.5, Phi-4", "Phi3Attention, Phi3MLP", "qkv_proj: q | k | v rows (GQA sizes); gate_up_proj: gate | up"),
+    ("GPT-NeoX, Pythia", "GPTNeoXAttention", "query_key_value: [q_h | k_h | v_h] per head"),
+    ("Bloom", "BloomAttention", "query_key_value: [q_h | k_h | v_h] per head"),
+    ("Persimmon", "PersimmonAttention", "query_key_value: [q_h | k_h | v_h] per head"),
+    ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
+     "q | k | v (multi-query) or per head"),
+    ("MPT", "MptAttention", "Wqkv: q | k | v rows"),
+)
+
+
+def _rule_for(module: nn.Module) -> tuple[str, Rule] | None:
+    for cls in type(module).__mro__:
+        if cls.__name__ in FUSED_RULES:
+            return cls.__name__, FUSED_RULES[cls.__name__]
+    return None
+
+
+def _separate_projections(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """An attention module's own q/k/v ``nn.Linear`` projections (Llama, Qwen2, Mistral, ... keep
+    them apart), for ``ns_split="head"``."""
+    found = [(name, getattr(module, f"{name}_proj", None)) for name in ("q", "k", "v")]
+    if type(module).__name__.endswith("Attention") and all(isinstance(m, nn.Linear) for _, m in found):
+        return found  # type: ignore[return-value]
+    return []
+
+
+def _weight_axis_blocks(weight: Tensor, blocks: Blocks, where: str) -> Blocks:
+    """Check ``blocks`` cover ``weight``'s axis exactly (a config that disagrees with the weight is a
+    model hf_muon misreads: refuse rather than orthogonalize the wrong blocks)."""
+    length = weight.shape[blocks.axis] if weight.ndim == 2 else -1
+    covered = sorted(i for runs in blocks.segments for start, n in runs for i in range(start, start + n))
+    if covered != list(range(length)):
+        raise ValueError(f"hf_muon: the fused blocks read for {where} do not cover its weight of shape "
+                         f"{tuple(weight.shape)} exactly; pass ns_split='none' for this model and report it")
+    return blocks
+
+
+def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[str, Blocks]]:
+    """``id(weight) -> (parameter name, Blocks)`` for each weight ``model`` stores fused, cut as
+    ``ns_split`` says: ``"block"`` (each logical matrix: q, k, v, gate, up), ``"head"`` (attention
+    projections per head, fused or not), ``"none"`` (nothing: whole matrices)."""
+    if ns_split not in NS_SPLITS:
+        raise ValueError(f"ns_split must be one of {NS_SPLITS}, got {ns_split!r}")
+    if ns_split == "none":
+        return {}
+    from ..distributed.providers import shape_of
+
+    config = getattr(model, "config", None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    found: dict[int, tuple[str, Blocks]] = {}
+    for module_name, module in model.named_modules():
+        matched = _rule_for(module)
+        targets: list[tuple[nn.Module, Blocks]] = []
+        if matched is not None:
+            for holder, blocks in matched[1](module, config):
+                if ns_split == "head":
+                    blocks = _per_head(blocks, _heads(module, config)[2])
+                targets.append((holder, blocks))
+        elif ns_split == "head":
+            projections = _separate_projections(module)
+            if projections:
+                hd = _heads(module, config)[2]
+                for name, linear in projections:
+                    targets.append((linear, _per_head(_contiguous(0, [(name, linear.out_features)]), hd)))
+        for holder, blocks in targets:
+            weight = holder.weight
+            where = f"{module_name} ({type(module).__name__})"
+            shape = shape_of(weight)
+            _weight_axis_blocks(torch.empty(shape, device="meta"), blocks, where)
+            if len(blocks.segments) > 1:
+                found[id(weight)] = (names.get(id(weight), where), blocks)
+    return found

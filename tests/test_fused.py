@@ -1,0 +1,178 @@
+"""Fused projections orthogonalized per block: the blocks are the model's own (checked against its
+attention), the update of each block is Newton–Schulz of that block alone, and it holds under
+ZeRO-3 and FSDP2 (see test_distributed.py / test_zero.py for the launches)."""
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+
+from hf_muon import Muon
+from hf_muon.kernels import orthogonalize
+from hf_muon.models.fused import MODEL_TABLE, Blocks, fused_blocks
+from hf_muon.optimizer.muon import lr_scale
+
+D, HEADS, KV = 64, 8, 2
+
+
+def tiny(name: str) -> torch.nn.Module:
+    """One layer of each supported fused model, eager attention (its probabilities are compared)."""
+    common = dict(vocab_size=100, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    configs = {
+        "gpt2": lambda: T.GPT2Config(n_embd=D, n_layer=1, n_head=HEADS, **common),
+        "bigcode_mq": lambda: T.GPTBigCodeConfig(n_embd=D, n_layer=1, n_head=HEADS, multi_query=True, **common),
+        "bigcode": lambda: T.GPTBigCodeConfig(n_embd=D, n_layer=1, n_head=HEADS, multi_query=False, **common),
+        "phi3": lambda: T.Phi3Config(hidden_size=D, num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV,
+                                     intermediate_size=96, **common),
+        "neox": lambda: T.GPTNeoXConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=HEADS,
+                                        intermediate_size=96, **common),
+        "bloom": lambda: T.BloomConfig(hidden_size=D, n_layer=1, n_head=HEADS, **common),
+        "falcon_new": lambda: T.FalconConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=HEADS, num_kv_heads=KV,
+                                             new_decoder_architecture=True, **common),
+        "falcon_mq": lambda: T.FalconConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=HEADS, multi_query=True,
+                                            new_decoder_architecture=False, **common),
+        "falcon": lambda: T.FalconConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=HEADS, multi_query=False,
+                                         new_decoder_architecture=False, **common),
+        "mpt": lambda: T.MptConfig(d_model=D, n_layers=1, n_heads=HEADS, **common),
+    }
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(configs[name](), attn_implementation="eager")
+
+
+def attention(model, ids) -> torch.Tensor:
+    model.eval()  # no dropout
+    with torch.no_grad():
+        return model(ids, output_attentions=True).attentions[0]  # [batch, heads, T, T]
+
+
+def kv_heads(name: str) -> int:
+    return {"phi3": KV, "falcon_new": KV, "falcon_mq": 1, "bigcode_mq": 1}.get(name, HEADS)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bigcode_mq", "bigcode", "phi3", "neox", "bloom", "falcon_new", "falcon_mq",
+                                  "falcon", "mpt"])
+def test_each_head_block_is_what_the_models_attention_reads(name):
+    """Perturb the weight's rows (columns for Conv1D) of one head block: a query head's block changes
+    that head's attention only, a key head's block the query heads of its group, a value block none."""
+    model = tiny(name)
+    ids = torch.randint(1, 100, (1, 12))
+    base = attention(model, ids)
+    found = fused_blocks(model, "head")
+    assert len(found) == 1 + (name == "phi3")  # Phi-3 also fuses gate | up
+    (param_name, blocks), = [(n, b) for n, b in found.values() if "gate" not in b.names]
+    weight = model.get_parameter(param_name)
+    group = HEADS // kv_heads(name)
+    assert sorted(torch.cat(blocks.indices()).tolist()) == list(range(weight.shape[blocks.axis]))
+    for block, block_name in zip(blocks.indices(), blocks.names):
+        perturbed = copy.deepcopy(model)
+        w = perturbed.get_parameter(param_name)
+        with torch.no_grad():
+            w.index_add_(blocks.axis, block, torch.randn_like(w.index_select(blocks.axis, block)))
+        changed = [not torch.allclose(a, b, atol=1e-6) for a, b in zip(attention(perturbed, ids)[0], base[0])]
+        kind, head = block_name.split(".h")
+        expected = {"q": [h == int(head) for h in range(HEADS)],
+                    "k": [h // group == int(head) for h in range(HEADS)],
+                    "v": [False] * HEADS}[kind]
+        assert changed == expected, f"{name} {block_name}: heads changed {changed}"
+
+
+def test_blocks_cover_every_row_once_and_name_the_logical_matrices():
+    found = fused_blocks(tiny("phi3"), "block")
+    names = sorted(b.names for _, b in found.values())
+    assert names == [("gate", "up"), ("q", "k", "v")]
+    for _, blocks in found.values():
+        assert sorted(i for runs in blocks.segments for s, n in runs for i in range(s, s + n)) == list(range(sum(blocks.sizes())))
+    assert fused_blocks(tiny("phi3"), "none") == {}
+    with pytest.raises(ValueError, match="ns_split must be one of"):
+        fused_blocks(tiny("phi3"), "rows")
+
+
+def test_head_split_also_cuts_separate_projections():
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=HEADS,
+                                             num_key_value_heads=KV, intermediate_size=96, vocab_size=100))
+    assert fused_blocks(model, "block") == {}
+    heads = {name.rsplit(".", 2)[-2]: len(b.names) for name, b in fused_blocks(model, "head").values()}
+    assert heads == {"q_proj": HEADS, "k_proj": KV, "v_proj": KV}
+
+
+def polar(x: torch.Tensor) -> torch.Tensor:
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    return u @ vh
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a * b).sum() / a.norm() / b.norm())
+
+
+def one_step_update(model, split: str, param_name: str):
+    """The update one Muon step from a random gradient makes to ``param_name`` (no momentum, fp32 NS)."""
+    model = copy.deepcopy(model)
+    opt = Muon(model, lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, ns_dtype=torch.float32, ns_split=split)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    w = model.get_parameter(param_name)
+    before, grad = w.detach().clone(), w.grad.clone()
+    opt.step()
+    return before - w.detach(), grad, opt
+
+
+@pytest.mark.parametrize("name", ["gpt2", "phi3", "neox", "falcon_new"])
+def test_each_block_gets_newton_schulz_of_its_own_gradient(name):
+    model = tiny(name)
+    (param_name, blocks), = [(n, b) for n, b in fused_blocks(model, "block").values() if "q" in b.names]
+    update, grad, opt = one_step_update(model, "block", param_name)
+    assert param_name in opt.fused_blocks()
+    for u, g, (rows, cols) in zip(blocks.split(update), blocks.split(grad), blocks.shapes(tuple(grad.shape))):
+        expected = 0.1 * lr_scale(rows, cols, "match_rms_adamw") * orthogonalize(g, 5, "quintic", torch.float32)
+        torch.testing.assert_close(u, expected, rtol=1e-4, atol=1e-6)
+        assert cosine(u, polar(g)) > 0.97  # its own block's polar factor (0.98 measured)
+    # the whole-matrix update (ns_split="none") follows the fused matrix's polar factor instead
+    whole, _, opt = one_step_update(model, "none", param_name)
+    assert opt.fused_blocks() == {}
+    assert cosine(whole, polar(grad)) > 0.97
+    assert min(cosine(u, polar(g)) for u, g in zip(blocks.split(whole), blocks.split(grad))) < 0.95
+
+
+def test_blocks_of_other_shapes_get_their_own_learning_rate_scale():
+    """Falcon's new architecture: q is 64 rows, k and v 16 each; with adjust_lr="original" the
+    scales differ per block (sqrt(max(1, rows / cols)) is 1 for all three here, so use a tall layout)."""
+    blocks = Blocks(1, (((0, 4),), ((4, 60),)), ("a", "b"))  # columns 4 and 60 of a 64 x 64 weight
+    from hf_muon.optimizer.muon import block_lr_scales
+
+    scale, relative = block_lr_scales((64, 64), blocks, "original")
+    assert scale == lr_scale(64, 4, "original") and relative == [1.0, lr_scale(64, 60, "original") / scale]
+    w = torch.nn.Parameter(torch.zeros(64, 64))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    model[0].weight = w
+    opt = Muon([{"params": [w], "algorithm": "muon"}], lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0,
+               ns_dtype=torch.float32, adjust_lr="original")
+    opt._group_blocks[0] = [blocks]  # what fused_blocks() would give a model that stores it so
+    torch.manual_seed(0)
+    w.grad = torch.randn(64, 64)
+    g = w.grad.clone()
+    opt.step()
+    for part, grad_part, (rows, cols) in zip(blocks.split(-w.detach()), blocks.split(g), blocks.shapes((64, 64))):
+        torch.testing.assert_close(part, lr_scale(rows, cols, "original") * orthogonalize(grad_part, 5, "quintic", torch.float32))
+
+
+def test_trainer_reads_blocks_and_ns_split_option(tmp_path):
+    from hf_muon.integrations.transformers import muon_cls_and_kwargs
+
+    model = tiny("gpt2")
+    for optim_args, expected in ((None, 1), ("ns_split=none", 0), ("ns_split=head", 1)):
+        args = T.TrainingArguments(output_dir=str(tmp_path), optim="muon", optim_args=optim_args, report_to=[])
+        cls, kwargs = muon_cls_and_kwargs(args, model)
+        opt = cls(**kwargs)
+        assert len(opt.fused_blocks()) == expected
+    with pytest.raises(ValueError, match="ns_split must be one of"):
+        Muon(model, ns_split="columns")
+
+
+def test_readme_lists_every_supported_model():
+    import os
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    for models, modules, _ in MODEL_TABLE:
+        assert f"| {models} | {modules} |" in readme, f"README's fused-projection table misses {models}"
