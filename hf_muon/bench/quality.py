@@ -53,6 +53,14 @@ def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         return {"failed": f"--pretrain_script {cfg['script']}: no such file"}
     cfg["recipe"] = str(script) if script is not None else RECIPE
     runs = [{"optim": o, "lr": lr, "seed": seed} for seed in cfg["seeds"] for lr in cfg["lrs"] for o in OPTIMS]
+    records = train_runs(runs, cfg, out_dir, "fig 5: learning-rate sweep", script)
+    return analyse(records, runs, cfg)
+
+
+def train_runs(runs: list[dict[str, Any]], cfg: dict[str, Any], out_dir: Path, title: str,
+               script: Path | None = None) -> list[dict[str, Any]]:
+    """Train ``runs`` (each ``optim``, ``lr``, ``seed``, maybe ``optim_args``) with the recipe, split over
+    ``cfg["lanes"]`` worker processes; their records (see :mod:`hf_muon.bench.quality_worker`)."""
     lanes = max(1, min(cfg["lanes"], len(runs)))
     threads = max(1, (os.cpu_count() or 1) // lanes)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,10 +75,10 @@ def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "hf_muon.bench.quality_worker", "--runs", str(out_dir / f"lane{lane}.json"),
                "--out", str(out)] + (["--script", str(script)] if script is not None else [])
         procs.append((start(cmd, log, env=child_env(threads)), log, out))
-    bar = progress(len(runs), "fig 5: learning-rate sweep", "run")
+    bar = progress(len(runs), title, "run")
     records = _wait(procs, bar, cfg["timeout_s"])
     bar.close()
-    return analyse(records, runs, cfg)
+    return records
 
 
 def _read(path: Path) -> list[dict[str, Any]]:

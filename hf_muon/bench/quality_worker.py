@@ -70,14 +70,17 @@ def main(argv: list[str] | None = None) -> None:
                 set_seed(run["seed"])
                 model = clm.build_model(model_args, data_args.seq_len)
                 training_args = TrainingArguments(**{**common, "output_dir": tmp, "optim": run["optim"],
-                                                     "learning_rate": run["lr"], "seed": run["seed"]})
+                                                     "learning_rate": run["lr"], "seed": run["seed"],
+                                                     **({"optim_args": run["optim_args"]} if run.get("optim_args") else {})})
                 trainer = Trainer(model=model, args=training_args, train_dataset=train_dataset,
                                   eval_dataset=eval_dataset, data_collator=default_data_collator)
                 trainer.train()
                 final = trainer.evaluate()["eval_loss"]
                 train_curve, curve = loss_curves(trainer.state.log_history)
                 record.update(final_eval_loss=final, eval_curve=curve, train_curve=train_curve,
-                              parameters=model.num_parameters())
+                              parameters=model.num_parameters(),
+                              telemetry=[{k: v for k, v in e.items() if k.startswith("muon/")}
+                                         for e in trainer.state.log_history if "loss" in e])
                 del trainer, model
             except Exception as exc:  # noqa: BLE001 - one failed run is reported, the sweep goes on
                 traceback.print_exc()

@@ -164,6 +164,17 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             f"{q['best_lr']['hf_muon.Muon']:g}")
     else:
         add("steps to AdamW's best loss", goal, None, NOT_MEASURED, q.get("failed") or "fig 5 not run")
+
+    # 8. telemetry's cost
+    tel = _get(figs, "fig6", "telemetry") or {}
+    goal = "recording the telemetry costs < 1% of the optimizer step"
+    if "recording_share_of_step" in tel:
+        share = tel["recording_share_of_step"]
+        add("telemetry cost", goal, f"{100 * share:.2f}% of the step", _status(share < 0.01),
+            f"step time on/off {tel['ratio_on_off']['median']:.3f}x (median of {tel['repeats']} interleaved pairs); "
+            f"reading the figures {1e3 * tel['read_s']['median']:.1f} ms per logging step")
+    elif "fig6" in figs:
+        add("telemetry cost", goal, None, NOT_MEASURED, tel.get("failed") or "not run")
     return out
 
 
@@ -329,6 +340,18 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_title("eval loss at the best learning rates", fontsize=9)
         ax.legend(fontsize=7)
         save(fig, "fig5_curves.png")
+    fused = _get(figs, "fig6", "fused") or {}
+    if fused.get("curves"):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for split, curve in fused["curves"].items():
+            if curve:
+                ax.plot(*zip(*curve), marker="o", markersize=3,
+                        label=f"ns_split={split} (lr {fused['best'][split]['lr']:g})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("eval loss (median over seeds)")
+        ax.set_title("GPT-2: fused c_attn orthogonalized per block vs whole, each at its best lr", fontsize=9)
+        ax.legend(fontsize=8)
+        save(fig, "fig6_fused_curves.png")
     return written
 
 
@@ -364,6 +387,7 @@ def markdown(results: dict[str, Any], plot_files: list[str]) -> str:
     lines += _fig3_md(figs.get("fig3"), figs.get("fig2_4"), plot_files)
     lines += _fig4_md(figs.get("fig4"), plot_files)
     lines += _fig5_md(figs.get("fig5"), plot_files)
+    lines += _fig6_md(figs.get("fig6"), plot_files)
     timing = results.get("sections", {})
     lines += ["## Sections", "", "| section | seconds | load average before | after |", "|---|---|---|---|"]
     for name, sec in timing.items():
@@ -571,3 +595,43 @@ def _fig5_md(q: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
             out.append(f"| {label.replace('_', ' ')} | {r['lr']:g} | {per_seed} | {med} | {frac} |")
         out.append("")
     return out + _img("fig5_lr_sweep.png", plot_files) + _img("fig5_curves.png", plot_files)
+
+
+def _fig6_md(f: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
+    if not f:
+        return []
+    out = ["## 6. Model-aware Muon", "", "### Telemetry's cost", ""]
+    tel = f.get("telemetry", {})
+    if "failed" in tel:
+        out += [f"failed: {tel['failed']}", ""]
+    elif tel:
+        out += [f"GPT-2 from the recipe ({tel['model']}), one process, {tel['repeats']} interleaved pairs of optimizer "
+                f"steps: {_ms(tel['step_s']['telemetry on'])} ms with telemetry, {_ms(tel['step_s']['telemetry off'])} ms "
+                f"without (ratio {tel['ratio_on_off']['median']:.3f}, {tel['ratio_on_off']['min']:.3f}–"
+                f"{tel['ratio_on_off']['max']:.3f}). Recording itself (timed directly): "
+                f"{100 * tel['recording_share_of_step']:.2f}% of the step. Reading the figures (once per logging "
+                f"step): {_ms(tel['read_s'])} ms.", ""]
+    fused = f.get("fused", {})
+    out += ["### Fused projections: per block vs whole", ""]
+    if "grid" not in fused:
+        return out + [f"failed: {fused.get('failed')}", ""]
+    c, t = fused["config"], fused["config"]["training"]
+    out += [f"The pretraining recipe with model flags {c['model']} (GPT-2: q | k | v in one Conv1D `c_attn`), "
+            f"{t['max_steps']} steps, the same grid {c['lrs']} and seeds {c['seeds']} for both; "
+            f"{fused['completed']} of {fused['planned']} runs finished.", "",
+            "| learning rate | " + " | ".join(f"ns_split={s}: final eval loss, median (min–max)" for s in fused["grid"]) + " |",
+            "|---|" + "---|" * len(fused["grid"])]
+    for lr in c["lrs"]:
+        cells = []
+        for rows in fused["grid"].values():
+            r = rows.get(f"{lr:g}")
+            cells.append("–" if r is None else _range(r["final_eval_loss"], digits=4))
+        out.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+    out.append("")
+    if "best" in fused:
+        b = fused["best"]
+        diffs = ", ".join(f"seed {s}: {d:+.4f}" for s, d in fused["block_minus_none_per_seed"].items())
+        out += [f"At each one's best learning rate: block {b['block']['final_eval_loss']['median']:.4f} "
+                f"(lr {b['block']['lr']:g}), none {b['none']['final_eval_loss']['median']:.4f} (lr {b['none']['lr']:g}); "
+                f"block minus none per seed: {diffs}.", ""]
+    return out + _img("fig6_fused_curves.png", plot_files)

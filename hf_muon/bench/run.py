@@ -2,7 +2,7 @@
 
     hf-muon bench --quick                 # under 3 minutes on 2 CPU cores: checks the pipeline, judges nothing
     hf-muon bench                         # the full preset (under 30 minutes on 2 quiet CPU cores)
-    hf-muon bench --only fig1,fig3        # some figures only (fig1, fig2_4, fig3, fig5)
+    hf-muon bench --only fig1,fig3        # some figures only (fig1, fig2_4, fig3, fig5, fig6)
     hf-muon bench --from_results runs/bench/results.json   # rebuild report.md and PNGs, measure nothing
 
 It runs from any directory: figure 5 trains the packaged pretraining recipe
@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 
-FIGURES = ("fig1", "fig3", "fig2_4", "fig5")
+FIGURES = ("fig1", "fig3", "fig2_4", "fig5", "fig6")
+GPT2_SMALL = {"model_type": "gpt2", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
+GPT2 = {"model_type": "gpt2", "hidden_size": 192, "num_layers": 4, "num_heads": 4, "intermediate_size": 768}
 
 QUICK: dict[str, Any] = {
     "fig1": {"sets": {"llama-like": {"d": 128, "layers": 2, "heads": 4, "kv_heads": 2},
@@ -48,6 +50,13 @@ QUICK: dict[str, Any] = {
                           "eval_steps": 3, "logging_steps": 3, "per_device_train_batch_size": 8,
                           "per_device_eval_batch_size": 16, "disable_tqdm": True, "report_to": "none",
                           "save_strategy": "no"}},
+    "fig6": {"telemetry": {"model": GPT2_SMALL, "repeats": 5},
+             "fused": {"lrs": [1e-2, 3e-2], "seeds": [0], "lanes": 2, "timeout_s": 90, "model": GPT2_SMALL,
+                       "data": {"seq_len": 64, "corpus_mb": 1.0, "max_eval_samples": 16},
+                       "training": {"max_steps": 6, "warmup_steps": 1, "lr_scheduler_type": "cosine",
+                                    "eval_strategy": "steps", "eval_steps": 3, "logging_steps": 3,
+                                    "per_device_train_batch_size": 8, "per_device_eval_batch_size": 16,
+                                    "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}}},
 }
 
 FULL: dict[str, Any] = {
@@ -67,6 +76,12 @@ FULL: dict[str, Any] = {
              "training": {"max_steps": 64, "warmup_steps": 6, "lr_scheduler_type": "cosine", "eval_strategy": "steps",
                           "eval_steps": 8, "logging_steps": 8, "disable_tqdm": True, "report_to": "none",
                           "save_strategy": "no"}},
+    "fig6": {"telemetry": {"model": GPT2, "repeats": 20},
+             "fused": {"lrs": [3e-3, 1e-2, 3e-2], "seeds": [0, 1, 2], "lanes": 2, "timeout_s": 1500, "model": GPT2,
+                       "data": {},
+                       "training": {"max_steps": 64, "warmup_steps": 6, "lr_scheduler_type": "cosine",
+                                    "eval_strategy": "steps", "eval_steps": 8, "logging_steps": 8,
+                                    "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}}},
 }
 
 
@@ -160,6 +175,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from . import quality
 
         _section("fig5", lambda: quality.run(preset["fig5"], out_dir / "quality_runs"), results)
+        save()
+    if "fig6" in only:
+        from . import model_aware
+
+        _section("fig6", lambda: model_aware.run(preset["fig6"], out_dir / "model_aware_runs"), results)
         save()
 
     results["loadavg_at_end"] = loadavg()

@@ -51,24 +51,30 @@ class Stopwatch:
 class StepFigures:
     """One Muon group's figures from its last step, on this rank.
 
-    ``update_sq``: sum of squares of ``lr * scale * O`` over the tensors this rank orthogonalized
+    ``norms`` and ``weights``: norm of each ``O`` this rank orthogonalized and its ``(lr * scale)^2``
     (owners only, so a sum over ranks counts each tensor once); ``watches``: Newton–Schulz regions;
     ``exchange_bytes``: bytes this rank sent and received; ``replicated``: every rank orthogonalized
     every tensor (no exchange in a multi-rank run), so a sum over ranks counts each ``world`` times.
     """
 
-    update_sq: Tensor | None = None
+    norms: list[Tensor] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
     watches: list[Stopwatch] = field(default_factory=list)
     exchange_bytes: int = 0
     replicated: bool = False
 
     def add_update(self, ortho: list[Tensor], scales: list[float], lr: float) -> None:
-        if not ortho:
-            return
-        norms = torch.stack(torch._foreach_norm(ortho, 2, dtype=torch.float32))
-        weights = torch.tensor([(lr * s) ** 2 for s in scales], dtype=torch.float32, device=norms.device)
-        sq = (norms.square() * weights).sum()
-        self.update_sq = sq if self.update_sq is None else self.update_sq + sq
+        """Note the norms of orthogonalized updates and their step sizes ``lr * scale`` (combined when read)."""
+        if ortho:
+            self.norms += torch._foreach_norm(ortho, 2, dtype=torch.float32)
+            self.weights += [(lr * s) ** 2 for s in scales]
+
+    def update_sq(self) -> Tensor | None:
+        """Sum of squares of ``lr * scale * O`` over what this rank orthogonalized."""
+        if not self.norms:
+            return None
+        weights = torch.tensor(self.weights, dtype=torch.float32, device=self.norms[0].device)
+        return (torch.stack(self.norms).square() * weights).sum()
 
 
 def adamw_update_sq(optimizer: Any, group: dict, lr: float) -> tuple[Tensor | None, int]:
@@ -120,13 +126,14 @@ class Telemetry:
         """The last step's figures, reduced over the ranks (a collective: every rank calls it)."""
         from .param_split import MUON, shape_of
 
-        device = next((f.update_sq.device for f in self.last.values() if f.update_sq is not None), torch.device("cpu"))
+        device = next((f.norms[0].device for f in self.last.values() if f.norms), torch.device("cpu"))
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
         world = dist.get_world_size(process_group) if distributed else 1
         muon_sq = torch.zeros((), dtype=torch.float32, device=device)
         for figures in self.last.values():
-            if figures.update_sq is not None:
-                muon_sq = muon_sq + figures.update_sq.to(device) / (world if figures.replicated else 1)
+            sq = figures.update_sq()
+            if sq is not None:
+                muon_sq = muon_sq + sq.to(device) / (world if figures.replicated else 1)
         adamw_sq = torch.zeros((), dtype=torch.float32, device=device)
         adamw_numel = 0
         for group in optimizer.param_groups:

@@ -37,6 +37,8 @@ from typing import Any
 
 import datasets
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     HfArgumentParser,
     LlamaConfig,
     LlamaForCausalLM,
@@ -72,13 +74,17 @@ TRAINING_DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class ModelArguments:
+    model_type: str = field(
+        default="llama",
+        metadata={"help": "llama (separate q/k/v, SwiGLU) or gpt2 (fused q|k|v in one Conv1D: see ns_split)."},
+    )
     hidden_size: int = field(default=192, metadata={"help": "Width of the residual stream."})
     num_layers: int = field(default=4, metadata={"help": "Number of transformer blocks."})
     num_heads: int = field(default=4, metadata={"help": "Number of attention (query) heads."})
     num_kv_heads: int = field(
-        default=2, metadata={"help": "Number of key/value heads (grouped-query attention)."}
+        default=2, metadata={"help": "Number of key/value heads (grouped-query attention; llama only)."}
     )
-    intermediate_size: int = field(default=512, metadata={"help": "Width of the SwiGLU MLP."})
+    intermediate_size: int = field(default=512, metadata={"help": "Width of the MLP."})
     max_position_embeddings: int = field(default=256, metadata={"help": "Longest supported sequence."})
     tie_word_embeddings: bool = field(
         default=False, metadata={"help": "Share the input embedding and the LM head weights."}
@@ -161,11 +167,21 @@ def build_datasets(
     return blocks["train"], eval_dataset
 
 
-def build_model(args: ModelArguments, seq_len: int) -> LlamaForCausalLM:
+def build_model(args: ModelArguments, seq_len: int) -> LlamaForCausalLM | GPT2LMHeadModel:
     if seq_len > args.max_position_embeddings:
         raise ValueError(
             f"--seq_len {seq_len} exceeds --max_position_embeddings {args.max_position_embeddings}"
         )
+    if args.model_type not in ("llama", "gpt2"):
+        raise ValueError(f"--model_type must be llama or gpt2, got {args.model_type!r}")
+    if args.model_type == "gpt2":
+        gpt2 = GPT2Config(
+            vocab_size=VOCAB_SIZE, n_embd=args.hidden_size, n_layer=args.num_layers, n_head=args.num_heads,
+            n_inner=args.intermediate_size, n_positions=args.max_position_embeddings,
+            tie_word_embeddings=args.tie_word_embeddings, eos_token_id=EOS_ID, bos_token_id=EOS_ID,
+            pad_token_id=PAD_ID, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+        return GPT2LMHeadModel(gpt2)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=args.hidden_size,

@@ -1,0 +1,116 @@
+"""Figure 6: model-aware Muon.
+
+(a) Telemetry's cost: optimizer steps of one model with ``telemetry=True`` and ``False``, interleaved,
+median ratio; and the recording itself timed directly (``StepFigures.add_update``), as a share of
+the step. (b) Fused projections per block: GPT-2 (q | k | v in one ``c_attn``) trained by the
+pretraining recipe with ``ns_split="block"`` and ``"none"``, the same learning-rate grid and seeds,
+each compared at its best learning rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import summarize
+from .quality import median_curve, train_runs
+
+SPLITS = ("block", "none")
+
+
+def telemetry_cost(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Step time with and without telemetry on a GPT-2 of ``cfg["model"]`` (recipe flags), one process."""
+    import torch
+
+    from ..optimizer import telemetry as telemetry_module
+    from ..optimizer.muon import Muon
+    from ..recipes.pretrain_clm import ModelArguments, build_model
+
+    torch.manual_seed(0)
+    base = build_model(ModelArguments(**cfg["model"]), cfg.get("seq_len", 128))
+    models = {on: copy.deepcopy(base) for on in (True, False)}
+    optimizers = {on: Muon(models[on], lr=1e-3, telemetry=on) for on in (True, False)}
+    grads = {n: torch.randn_like(p) * 1e-2 for n, p in base.named_parameters()}
+    for on, model in models.items():
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+    recording = {"s": 0.0}
+    original = telemetry_module.StepFigures.add_update
+
+    def timed_add_update(self, *a, **k):
+        started = time.perf_counter()
+        original(self, *a, **k)
+        recording["s"] += time.perf_counter() - started
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    reads: list[float] = []
+    telemetry_module.StepFigures.add_update = timed_add_update
+    try:
+        for on in (True, False):  # warm-up
+            optimizers[on].step()
+        recording["s"] = 0.0
+        for _ in range(cfg["repeats"]):
+            for on in (True, False):
+                started = time.perf_counter()
+                optimizers[on].step()
+                times[on].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            optimizers[True].telemetry()
+            reads.append(time.perf_counter() - started)
+    finally:
+        telemetry_module.StepFigures.add_update = original
+    ratios = [a / b for a, b in zip(times[True], times[False])]
+    step_on = statistics.median(times[True])
+    return {
+        "model": cfg["model"], "repeats": cfg["repeats"],
+        "step_s": {"telemetry on": summarize(times[True]), "telemetry off": summarize(times[False])},
+        "ratio_on_off": summarize(ratios),
+        "recording_share_of_step": recording["s"] / cfg["repeats"] / step_on,
+        "read_s": summarize(reads),
+    }
+
+
+def fused_sweep(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """GPT-2 with ``ns_split`` block vs none: the recipe, same grid and seeds, eval curves."""
+    runs = [{"optim": "muon", "lr": lr, "seed": seed, "optim_args": f"ns_split={split}", "split": split}
+            for seed in cfg["seeds"] for lr in cfg["lrs"] for split in SPLITS]
+    records = train_runs(runs, cfg, out_dir, "fig 6: GPT-2, fused c_attn per block vs whole")
+    ok = [r for r in records if "final_eval_loss" in r]
+    grid: dict[str, dict[str, Any]] = {}
+    for split in SPLITS:
+        grid[split] = {}
+        for lr in cfg["lrs"]:
+            sel = [r for r in ok if r["split"] == split and r["lr"] == lr]
+            if sel:
+                grid[split][f"{lr:g}"] = {"lr": lr, "final_eval_loss": summarize([r["final_eval_loss"] for r in sel])}
+    result: dict[str, Any] = {"config": cfg, "grid": grid, "completed": len(ok), "planned": len(runs),
+                              "failed_runs": [r.get("failed") or r.get("lane_failure") for r in records
+                                              if "final_eval_loss" not in r]}
+    if not all(grid.values()):
+        result["failed"] = "not every ns_split finished a run"
+        return result
+    best = {split: min(rows.values(), key=lambda r: r["final_eval_loss"]["median"]) for split, rows in grid.items()}
+    result["best"] = {split: {"lr": b["lr"], "final_eval_loss": b["final_eval_loss"]} for split, b in best.items()}
+    result["curves"] = {split: median_curve([r["eval_curve"] for r in ok if r["split"] == split and r["lr"] == b["lr"]])
+                        for split, b in best.items()}
+    # per seed at each split's best lr: block minus none (negative: per-block training is better)
+    by_seed = {split: {r["seed"]: r["final_eval_loss"] for r in ok if r["split"] == split and r["lr"] == b["lr"]}
+               for split, b in best.items()}
+    seeds = sorted(set(by_seed["block"]) & set(by_seed["none"]))
+    result["block_minus_none_per_seed"] = {s: by_seed["block"][s] - by_seed["none"][s] for s in seeds}
+    return result
+
+
+def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Both parts of figure 6; a part that fails is reported, the other still runs."""
+    result: dict[str, Any] = {}
+    for name, fn in (("telemetry", lambda: telemetry_cost(cfg["telemetry"])),
+                     ("fused", lambda: fused_sweep(cfg["fused"], out_dir / "fused_runs"))):
+        try:
+            result[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one broken part must not take the other down
+            result[name] = {"failed": f"{type(exc).__name__}: {exc}"[:400]}
+    return result
