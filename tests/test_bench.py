@@ -186,7 +186,7 @@ def test_quick_preset_writes_a_well_formed_report(tmp_path):
     assert results["preset"] == "quick"
     for key in ("command", "started", "elapsed_s", "machine", "sections", "figures", "targets", "files"):
         assert key in results, key
-    assert set(results["sections"]) == {"fig1", "fig3", "fig2_4", "fig5"}
+    assert set(results["sections"]) == {"fig1", "fig3", "fig2_4", "fig5", "fig6"}
     # every part and every training run finished; the reasons of those that did not
     failures = _failures({"sections": results["sections"], "figures": results["figures"]})
     assert not failures, "\n".join(failures)
@@ -203,9 +203,13 @@ def test_quick_preset_writes_a_well_formed_report(tmp_path):
     assert fig5["completed"] == fig5["planned"] > 0, fig5.get("runs")
     assert "grid" in figures["fig5"]
     assert set(figures["fig4"]) == {"ZeRO-2, W=2", "ZeRO-3, W=2"}
+    fig6 = figures["fig6"]
+    assert fig6["telemetry"]["repeats"] > 0 and 0 < fig6["telemetry"]["recording_share_of_step"] < 1
+    assert fig6["fused"]["completed"] == fig6["fused"]["planned"] > 0, fig6["fused"].get("failed_runs")
+    assert set(fig6["fused"]["best"]) == {"block", "none"}
 
     targets = results["targets"]
-    assert len(targets) == 8
+    assert len(targets) == 9
     for t in targets:
         assert t["status"] in STATUSES, t
         assert t["target"] and t["goal"]
@@ -217,12 +221,13 @@ def test_quick_preset_writes_a_well_formed_report(tmp_path):
     assert lines[header + 1] == "|---|---|---|---|---|"
     rows = lines[header + 2: header + 2 + len(targets)]
     assert all(r.startswith("| ") and r.count(" | ") >= 4 for r in rows)
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5."):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6."):
         assert any(line.startswith(heading) for line in lines), heading
 
     plots = results["files"]["plots"]
     assert {"fig1_step_time.png", "fig1_ns_efficiency.png", "fig1_orthogonality.png", "fig2_throughput.png",
-            "fig3_memory.png", "fig4_network.png", "fig5_lr_sweep.png", "fig5_curves.png"} <= set(plots)
+            "fig3_memory.png", "fig4_network.png", "fig5_lr_sweep.png", "fig5_curves.png",
+            "fig6_fused_curves.png"} <= set(plots)
     for name in plots:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
         assert f"]({name})" in report

@@ -135,6 +135,7 @@ BAD_INPUTS = [
     ("betas", "betas=(1.0, 0.999)", _muon(betas=(1.0, 0.999)), ValueError, r"betas must each be in \[0, 1\)"),
     ("eps", "eps=-1e-8", _muon(eps=-1e-8), ValueError, "eps must be >= 0"),
     ("adamw-lr", "adamw_lr=-1", _muon(adamw_lr=-1.0), ValueError, "adamw_lr must be >= 0"),
+    ("ns-split", "ns_split='rows'", _muon(ns_split="rows"), ValueError, "ns_split must be one of"),
     ("bucket-bytes", "bucket_bytes=0", _muon(bucket_bytes=0), ValueError, "bucket_bytes must be > 0"),
     ("orthogonalize-fn", "orthogonalize_fn='ns'", _muon(orthogonalize_fn="ns"), TypeError,
      "orthogonalize_fn must be callable"),
