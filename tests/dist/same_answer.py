@@ -44,22 +44,36 @@ class Block(nn.Module):
         return self.head(self.norm(h))
 
 
+MODELS = ("block", "gpt2", "phi3", "neox", "falcon")
+
+
 def build(name: str) -> nn.Module:
-    """``block`` (the mixed shapes above) or ``gpt2``: a tiny GPT-2 whose fused ``c_attn`` (q | k | v
-    column blocks of a Conv1D) the optimizer orthogonalizes block by block."""
+    """``block`` (the mixed shapes above) or a tiny model with fused projections that the optimizer
+    orthogonalizes block by block: ``gpt2`` (q | k | v columns of a Conv1D), ``phi3`` (q | k | v rows
+    of GQA sizes, gate | up), ``neox`` (q, k, v interleaved per head), ``falcon`` (per kv group)."""
     if name == "block":
         return Block()
-    from transformers import GPT2Config, GPT2LMHeadModel
+    import transformers as T
 
-    config = GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=64, n_positions=32, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+    common = dict(vocab_size=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    configs = {
+        "gpt2": lambda: T.GPT2Config(n_embd=48, n_layer=2, n_head=4, n_positions=32, **no_dropout, **common),
+        "phi3": lambda: T.Phi3Config(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=96, **common),
+        "neox": lambda: T.GPTNeoXConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=96, **common),
+        "falcon": lambda: T.FalconConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                                         new_decoder_architecture=True, **common),
+    }
+    return T.AutoModelForCausalLM.from_config(configs[name]())
 
 
 def reference_accumulation(name: str, world: int, accumulation: int) -> int:
-    """Micro-batches of the one-process reference. GPT-2 sees the ranks' own micro-batches, summed in
-    one process: its updates amplify round-off (a full batch vs two halves, both in one process,
-    differ by 3e-5 after 2 steps), so only the summation order may differ from the sharded run."""
+    """Micro-batches of the one-process reference. The transformers models see the ranks' own
+    micro-batches, summed in one process: their updates amplify round-off (GPT-2: a full batch vs two
+    halves, both in one process, differ by 3e-5 after 2 steps), so only the summation order may
+    differ from the sharded run."""
     return 1 if name == "block" else world * accumulation
 
 
@@ -67,7 +81,8 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards on their own before the root."""
     if isinstance(model, Block):
         return [model.q, model.kv, model.up, model.down, model.conv]
-    return list(model.transformer.h)
+    return [m for m in model.modules() if type(m).__name__.endswith(("Block", "DecoderLayer", "Layer"))
+            and type(m).__name__ != "Block"]
 
 
 def matrices_per_step(opt) -> int:
@@ -115,7 +130,7 @@ def main() -> None:
     # DDP over an explicit process group: "new_group" of all ranks, or "per_rank" (each rank alone:
     # no exchange, every rank orthogonalizes every matrix)
     parser.add_argument("--process_group", choices=["default", "new_group", "per_rank"], default="default")
-    parser.add_argument("--model", choices=["block", "gpt2"], default="block")
+    parser.add_argument("--model", choices=MODELS, default="block")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang

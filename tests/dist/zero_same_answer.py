@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_muon import Muon
-from same_answer import build, counting_newton_schulz, loss_fn, matrices_per_step, reference_accumulation, train
+from same_answer import MODELS, build, counting_newton_schulz, loss_fn, matrices_per_step, reference_accumulation, train
 
 BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
 # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then ZeRO and the
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--dtype", choices=["fp32", "bf16", "bf16_fp32_accum", "fp16"], default="fp32")
-    parser.add_argument("--model", choices=["block", "gpt2"], default="block")
+    parser.add_argument("--model", choices=MODELS, default="block")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
