@@ -104,16 +104,13 @@ def orthogonalize_all(
     """Newton–Schulz of every update, one batched call per (shape, device), in the NS dtype.
 
     ``orthogonalize_fn`` (default :func:`hf_muon.kernels.orthogonalize`) runs on each batch. An update
-    with ``blocks[i]`` (a fused projection) is orthogonalized block by block and reassembled in
-    float32, each block times ``block_scales[i][k]`` (its learning-rate scale relative to the tensor's)."""
+    with ``blocks[i]`` (a fused projection) is orthogonalized block by block and reassembled, each
+    block times ``block_scales[i][k]`` (its learning-rate scale relative to the tensor's; float32 then)."""
     fn = orthogonalize_fn if orthogonalize_fn is not None else orthogonalize
-    mats: list[Tensor] = []
-    owner: list[int] = []  # which update each matrix batch belongs to
+    mats: list[Tensor] = []  # each update's matrices in order: one, or one per block
     for i, u in enumerate(updates):
         cut = blocks[i] if blocks is not None else None
-        parts = cut.split(u) if cut is not None else [u]
-        mats.extend(as_matrices(part, stacked) for part in parts)
-        owner.extend([i] * len(parts))
+        mats.extend(as_matrices(part, stacked) for part in (cut.split(u) if cut is not None else [u]))
     buckets: dict[tuple, list[int]] = {}
     for j, m in enumerate(mats):
         buckets.setdefault((tuple(m.shape[1:]), m.device), []).append(j)
