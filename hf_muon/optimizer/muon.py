@@ -360,7 +360,13 @@ class Muon(Optimizer):
         self.telemetry_enabled = telemetry
         self._telemetry = Telemetry()
         if logger.isEnabledFor(logging.INFO):
-            logger.info(describe_optimizer(self.param_groups, resolve_ns_dtype))
+            line = describe_optimizer(self.param_groups, resolve_ns_dtype)
+            fused = self.fused_blocks()
+            if fused:  # the fused projections cut into blocks (hf-muon inspect lists them)
+                splits = sorted({g["ns_split"] for g in self.param_groups if g["algorithm"] == MUON})
+                line += (f"; {len(fused)} fused tensors in {sum(len(b.segments) for b in fused.values())} blocks "
+                         f"(ns_split={'/'.join(splits)})")
+            logger.info(line)
 
     @staticmethod
     def _check_process_group(process_group: dist.ProcessGroup | None, distributed: bool) -> None:
