@@ -111,7 +111,8 @@ class GradientNoiseScale:
         max_grad_norm: the gradient clipping threshold applied before ``step()`` (Trainer's
             ``max_grad_norm``); a step whose measured ``|G_big|`` is at it was clipped, its norm is not
             the gradient's, and it is left out of the estimate (counted in ``clipped_steps``).
-            ``None`` or 0: no clipping.
+            ``None``: the DeepSpeed engine's ``gradient_clipping`` when ``model`` is one (DeepSpeed's
+            default is 1.0), else no clipping; 0: no clipping.
         adapt_lr: ``False`` measures only (the multiplier is computed but not applied).
         process_group: the data-parallel group (``None``: the default world).
 
@@ -153,6 +154,9 @@ class GradientNoiseScale:
         self.ema = ema
         self.bounds = (float(low), float(high))
         self.warmup_steps = warmup_steps
+        engine_clipping = getattr(model, "gradient_clipping", None)  # a DeepSpeed engine clips inside step()
+        if max_grad_norm is None and callable(engine_clipping):
+            max_grad_norm = float(engine_clipping())
         self.max_grad_norm = max_grad_norm or None
         self.adapt_lr = adapt_lr
         self.process_group = process_group
