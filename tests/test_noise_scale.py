@@ -208,3 +208,60 @@ def test_two_ranks_equal_one_process_from_the_same_micro_batches(tmp_path, backe
     for got, want in zip(r["norms"], r["reference"]):
         assert got == pytest.approx(want, rel=1e-4)
     assert r["noise_scale"] == pytest.approx(r["reference_noise_scale"], rel=1e-3)
+
+
+def test_refuses_layouts_it_cannot_measure():
+    model = Linear(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.theta.ds_id = 0  # what a DeepSpeed ZeRO-3 parameter carries
+    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+        GradientNoiseScale(model, opt, 1, 2).attach()
+    del model.theta.ds_id
+
+    class Fp16Engine(Linear):
+        def fp16_enabled(self):
+            return True
+
+    engine = Fp16Engine(4)
+    with pytest.raises(NotImplementedError, match="fp16"):
+        GradientNoiseScale(engine, torch.optim.SGD(engine.parameters(), lr=0.1), 1, 2).attach()
+
+
+def test_steps_it_cannot_measure_are_left_out_and_counted():
+    model = Linear(8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    noise = GradientNoiseScale(model, opt, 1, 2, max_grad_norm=1.0).attach()
+    for _ in range(3):  # one backward too many (reentrant checkpointing, a short last accumulation)
+        model(torch.randn(8)).backward()
+    with pytest.warns(UserWarning, match="micro-batch backward passes"):
+        opt.step()
+    opt.zero_grad()
+    for _ in range(2):  # |G_big| = 10 * |mean direction| > 1: clipped before step(), not the gradient's norm
+        model(10 * torch.ones(8)).backward()
+    opt.step()
+    assert (noise.steps, noise.skipped_steps, noise.clipped_steps, noise.measured_steps) == (2, 1, 1, 0)
+    assert math.isnan(noise.noise_scale) and noise.lr_multiplier == 1.0
+
+
+def test_state_travels_in_the_portable_checkpoint(tmp_path, caplog):
+    from hf_muon import Muon
+    from hf_muon.checkpoint import load_portable, save_portable
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    optimizer = Muon(model, lr=0.01)
+    noise = GradientNoiseScale(model, optimizer, 1, 2, warmup_steps=0).attach()
+    for _ in range(3):
+        for _ in range(2):
+            (model(torch.randn(4, 8)).square().mean() / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_portable(optimizer, model, str(tmp_path / "with"), noise_scale=noise)
+    save_portable(optimizer, model, str(tmp_path / "without"))
+    fresh = GradientNoiseScale(model, Muon(model, lr=0.01), 1, 2, warmup_steps=0)
+    load_portable(fresh.optimizer, model, str(tmp_path / "with"), noise_scale=fresh)
+    assert fresh.state_dict() == noise.state_dict() and fresh.measured_steps == 3
+    other = GradientNoiseScale(model, Muon(model, lr=0.01), 1, 2)
+    with caplog.at_level("WARNING", logger="hf_muon"):
+        load_portable(other.optimizer, model, str(tmp_path / "without"), noise_scale=other)
+    assert "no gradient noise scale state" in caplog.text and other.measured_steps == 0
