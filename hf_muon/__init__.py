@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Muon", "ParameterSplit", "orthogonalize", "register_with_transformers", "split_parameters", "unregister"]
+__all__ = ["GradientNoiseScale", "Muon", "ParameterSplit", "orthogonalize", "register_with_transformers", "split_parameters", "unregister"]
 
 _LAZY = {
+    "GradientNoiseScale": "hf_muon.optimizer.noise_scale",
     "Muon": "hf_muon.optimizer.muon",
     "split_parameters": "hf_muon.optimizer.param_split",
     "ParameterSplit": "hf_muon.optimizer.param_split",
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from .integrations.import_hook import unregister
     from .integrations.transformers import register_with_transformers
     from .kernels.newton_schulz import orthogonalize
+    from .optimizer.noise_scale import GradientNoiseScale
     from .optimizer.muon import Muon
     from .optimizer.param_split import ParameterSplit, split_parameters
 

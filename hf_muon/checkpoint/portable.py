@@ -115,7 +115,7 @@ def _group_names(optimizer, group: dict, names: dict[int, str]) -> list[str]:
 
 
 def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None,
-                  written_under: dict | None = None, bucket_bytes: int = 64 * 2**20) -> None:
+                  written_under: dict | None = None, bucket_bytes: int = 64 * 2**20, noise_scale: Any = None) -> None:
     """Write ``checkpoint/hf_muon_state/``. Called on every rank (it gathers); rank 0 writes.
 
     Args:
@@ -123,6 +123,8 @@ def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
         model: the model its parameters belong to (for names).
         scheduler: a learning-rate scheduler whose ``state_dict()`` is saved too.
         written_under: what to record about the layout (shown when a resume refuses).
+        noise_scale: a :class:`hf_muon.optimizer.noise_scale.GradientNoiseScale` whose state (plain
+            numbers, the same on every rank) goes into ``meta.json`` as ``gradient_noise_scale``.
     """
     names = parameter_names(model)
     shards = shards_of(optimizer, names)
@@ -137,6 +139,8 @@ def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
         [{"algorithm": g["algorithm"], "params": _group_names(optimizer, g, names),
           **{k: g[k] for k in _GROUP_KEYS if k in g}} for g in optimizer.param_groups],
         optimizer.skipped_steps, {"world_size": world, **(written_under or {})})
+    if noise_scale is not None:
+        meta["gradient_noise_scale"] = noise_scale.state_dict()
     write_portable(checkpoint, tensors, meta, None if scheduler is None else scheduler.state_dict())
 
 
@@ -267,14 +271,15 @@ def _load_parameters(optimizer, read, names: dict[int, str], meta: dict) -> None
 
 
 def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None,
-                  allow_fresh_state: bool = False) -> dict:
+                  allow_fresh_state: bool = False, noise_scale: Any = None) -> dict:
     """Load ``checkpoint/hf_muon_state/`` into ``optimizer`` (and the weights it updates) under the
     current layout, whatever layout wrote it. Called on every rank. Returns the checkpoint's meta.
 
     Raises :class:`CheckpointError` for a checkpoint of another model or parameter split, a damaged
     or partial one, or one from a newer hf_muon. With ``allow_fresh_state``, a checkpoint whose
     only difference is the Muon/AdamW split gives its weights and scheduler, the optimizer starts
-    fresh, and a warning says so.
+    fresh, and a warning says so. ``noise_scale`` (a ``GradientNoiseScale``) gets the saved estimate;
+    from a checkpoint without one it starts measuring afresh, and a warning says so.
     """
     meta = read_meta(checkpoint)
     names = parameter_names(model)
@@ -303,6 +308,12 @@ def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
         optimizer.skipped_steps = int(meta.get("skipped_steps", 0))
         for group, key in zip(optimizer.param_groups, group_keys):
             group.update({k: v for k, v in saved_groups[key].items() if k in _GROUP_KEYS})
+    if noise_scale is not None:
+        if "gradient_noise_scale" in meta:
+            noise_scale.load_state_dict(meta["gradient_noise_scale"])
+        else:
+            logger.warning(f"{checkpoint} has no gradient noise scale state (written without adaptive_lr): the "
+                           "estimate starts afresh, with the lr multiplier at 1 for its warm-up steps")
     scheduler_path = os.path.join(portable_dir(checkpoint), _SCHEDULER)
     if scheduler is not None and os.path.isfile(scheduler_path):
         scheduler.load_state_dict(torch.load(scheduler_path, weights_only=True))

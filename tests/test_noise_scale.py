@@ -1,0 +1,267 @@
+"""Gradient noise scale and the adaptive learning rate (hf_muon.optimizer.noise_scale)."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from hf_muon.optimizer.noise_scale import (GradientNoiseScale, NoiseScaleEstimate, estimate_from_norms,
+                                           lr_multiplier_from_noise_scale)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class Linear(nn.Module):
+    """``loss = θ · (G + ε)``: its gradient is the true gradient plus noise of a known variance."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.theta = nn.Parameter(torch.zeros(d))
+
+    def forward(self, direction: torch.Tensor) -> torch.Tensor:
+        return (self.theta * direction).sum()
+
+
+def test_estimator_converges_to_the_known_noise_scale():
+    # per-example gradient G + ε, ε ~ N(0, σ² I): S = d σ², B_noise = d σ² / |G|² = 64
+    torch.manual_seed(0)
+    d, sigma, b_small, gas = 1000, 0.8, 4, 8
+    true = torch.full((d,), 0.1)
+    model = Linear(d)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    noise = GradientNoiseScale(model, optimizer, micro_batch_size=b_small, accumulation_steps=gas, ema=0.99,
+                               warmup_steps=0).attach()
+    for _ in range(400):
+        for _ in range(gas):  # a micro-batch of b_small examples: noise variance σ² / b_small
+            direction = true + sigma / math.sqrt(b_small) * torch.randn(d)
+            (model(direction) / gas).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = d * sigma**2 / true.square().sum().item()
+    assert noise.measured_steps == 400
+    assert noise.noise_scale == pytest.approx(expected, rel=0.1)
+    assert noise.lr_multiplier == pytest.approx(math.sqrt(b_small * gas / expected), rel=0.06)
+
+
+def test_unbiased_formulas_on_exact_expectations():
+    # E|G_B|² = |G|² + S / B exactly: the estimates are exact
+    g2, s = 3.0, 50.0
+    est = estimate_from_norms(g2 + s / 2, g2 + s / 16, 2, 16)
+    assert est.true_grad_sq == pytest.approx(g2) and est.noise_trace == pytest.approx(s)
+    with pytest.raises(ValueError):
+        estimate_from_norms(1.0, 1.0, 4, 4)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def grad_of(model, batch) -> torch.Tensor:
+    model.zero_grad()
+    model(**batch).loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def test_hooks_measure_each_micro_batch_and_undo_accumulation_in_a_plain_loop():
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    gas, mb = 3, 2
+    torch.manual_seed(1)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (mb, 16))), "labels": ids} for _ in range(gas)]
+    micro = [grad_of(model, b) for b in batches]
+    model.zero_grad()
+    noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas).attach()
+    for b in batches:
+        (model(**b).loss / gas).backward()
+    optimizer.step()
+    small = sum(g.square().sum() for g in micro).item() / gas
+    big = (sum(micro) / gas).square().sum().item()
+    assert noise.last_norms == pytest.approx((small, big), rel=1e-5)
+    noise.detach()
+
+
+def test_hooks_under_the_trainer_undo_its_loss_scaling_exactly(tmp_path):
+    # Trainer (transformers 5.x) normalizes each micro-batch's token-sum loss by the step's token count:
+    # equal tokens per micro-batch make that mean loss / GAS; the hooks must give the manual figures.
+    from torch.utils.data import Dataset, SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(2)
+    data = torch.randint(0, 64, (8, 16))
+
+    class Blocks(Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return {"input_ids": data[i], "labels": data[i]}
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    gas, mb = 2, 2
+    reference = tiny_llama()
+    micro = [grad_of(reference, {"input_ids": data[i:i + mb], "labels": data[i:i + mb]}) for i in (0, 2)]
+    small = sum(g.square().sum() for g in micro).item() / gas
+    big = (sum(micro) / gas).square().sum().item()
+
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=mb, gradient_accumulation_steps=gas,
+                             max_steps=1, learning_rate=0.0, max_grad_norm=0.0, report_to="none", save_strategy="no",
+                             use_cpu=True, dataloader_drop_last=True)
+    trainer = InOrder(model=model, args=args, train_dataset=Blocks())
+    trainer.create_optimizer()
+    noise = GradientNoiseScale(model, trainer.optimizer, micro_batch_size=mb, accumulation_steps=gas).attach()
+    trainer.train()
+    assert noise.steps == 1 and noise.measured_steps == 1
+    assert noise.last_norms == pytest.approx((small, big), rel=1e-4)
+
+
+def test_multiplier_rule_and_bounds():
+    assert lr_multiplier_from_noise_scale(64.0, 32, (0.5, 2.0)) == pytest.approx(math.sqrt(0.5))
+    assert lr_multiplier_from_noise_scale(1e6, 32, (0.5, 2.0)) == 0.5
+    assert lr_multiplier_from_noise_scale(1.0, 32, (0.5, 2.0)) == 2.0
+    assert lr_multiplier_from_noise_scale(-3.0, 32, (0.5, 2.0)) == 2.0  # no measurable noise
+    assert lr_multiplier_from_noise_scale(math.inf, 32, (0.5, 2.0)) == 0.5  # no measurable signal
+    model = Linear(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for bad in [(0.0, 2.0), (1.5, 2.0), (0.5, 0.9)]:
+        with pytest.raises(ValueError, match="bounds"):
+            GradientNoiseScale(model, opt, 1, 2, bounds=bad)
+
+
+def test_one_process_without_accumulation_is_refused():
+    model = Linear(4)
+    with pytest.raises(ValueError, match="two batch sizes"):
+        GradientNoiseScale(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=8,
+                           accumulation_steps=1, world_size=1)
+
+
+def test_lr_multiplied_inside_step_only_for_every_group():
+    # both halves of hf_muon.Muon step with lr * m; the scheduler's lr is back after step()
+    from hf_muon import Muon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=True), nn.Linear(8, 8, bias=False))
+    optimizer = Muon(model, lr=0.01, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    noise = GradientNoiseScale(model, optimizer, micro_batch_size=1, accumulation_steps=2).attach()
+    noise._multiplier = 2.0  # as if measured
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, a, k: seen.append([g["lr"] for g in opt.param_groups]))
+    for _ in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    assert seen == [[0.01, 0.01]]  # our pre-hook ran first: the later hook sees lr * m (0.005 * 2)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.005, 0.005] == scheduler.get_last_lr()
+    assert {g["algorithm"] for g in optimizer.param_groups} == {"muon", "adamw"}
+
+
+def test_state_round_trip():
+    model = Linear(10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    a = GradientNoiseScale(model, opt, 2, 4, warmup_steps=1)
+    for s in (10.0, 30.0, 20.0):
+        a.update(NoiseScaleEstimate(true_grad_sq=1.0, noise_trace=s))
+    state = json.loads(json.dumps(a.state_dict()))  # plain numbers
+    b = GradientNoiseScale(model, opt, 2, 4, warmup_steps=1)
+    b.load_state_dict(state)
+    assert (b.noise_scale, b.lr_multiplier, b.measured_steps) == (a.noise_scale, a.lr_multiplier, a.measured_steps)
+    for x in (a, b):
+        x.update(NoiseScaleEstimate(true_grad_sq=2.0, noise_trace=5.0))
+    assert b.noise_scale == a.noise_scale and b.lr_multiplier == a.lr_multiplier
+    with pytest.raises(ValueError, match="version"):
+        b.load_state_dict({**state, "version": 99})
+
+
+def torchrun(script, args, nproc=2, timeout=90, env=None):
+    from hf_muon.launching import free_port, run
+
+    def command():
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = run(command, timeout, env=env, cwd=ROOT)
+    assert result.returncode == 0, f"{script} {args} failed or hung ({timeout}s):\n{result.output[-4000:]}"
+    return result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+def test_two_ranks_equal_one_process_from_the_same_micro_batches(tmp_path, backend):
+    out = tmp_path / "r.json"
+    torchrun(os.path.join(HERE, "dist", "noise_scale_same_answer.py"), ["--backend", backend, "--out", str(out)],
+             env={"DS_ACCELERATOR": "cpu"}, timeout=90)
+    r = json.loads(out.read_text())
+    assert r["steps"] == r["measured_steps"] >= 3
+    for got, want in zip(r["norms"], r["reference"]):
+        assert got == pytest.approx(want, rel=1e-4)
+    assert r["noise_scale"] == pytest.approx(r["reference_noise_scale"], rel=1e-3)
+
+
+def test_refuses_layouts_it_cannot_measure():
+    model = Linear(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.theta.ds_id = 0  # what a DeepSpeed ZeRO-3 parameter carries
+    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+        GradientNoiseScale(model, opt, 1, 2).attach()
+    del model.theta.ds_id
+
+    class Fp16Engine(Linear):
+        def fp16_enabled(self):
+            return True
+
+    engine = Fp16Engine(4)
+    with pytest.raises(NotImplementedError, match="fp16"):
+        GradientNoiseScale(engine, torch.optim.SGD(engine.parameters(), lr=0.1), 1, 2).attach()
+
+
+def test_steps_it_cannot_measure_are_left_out_and_counted():
+    model = Linear(8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    noise = GradientNoiseScale(model, opt, 1, 2, max_grad_norm=1.0).attach()
+    for _ in range(3):  # one backward too many (reentrant checkpointing, a short last accumulation)
+        model(torch.randn(8)).backward()
+    with pytest.warns(UserWarning, match="micro-batch backward passes"):
+        opt.step()
+    opt.zero_grad()
+    for _ in range(2):  # |G_big| = 10 * |mean direction| > 1: clipped before step(), not the gradient's norm
+        model(10 * torch.ones(8)).backward()
+    opt.step()
+    assert (noise.steps, noise.skipped_steps, noise.clipped_steps, noise.measured_steps) == (2, 1, 1, 0)
+    assert math.isnan(noise.noise_scale) and noise.lr_multiplier == 1.0
+
+
+def test_state_travels_in_the_portable_checkpoint(tmp_path, caplog):
+    from hf_muon import Muon
+    from hf_muon.checkpoint import load_portable, save_portable
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    optimizer = Muon(model, lr=0.01)
+    noise = GradientNoiseScale(model, optimizer, 1, 2, warmup_steps=0).attach()
+    for _ in range(3):
+        for _ in range(2):
+            (model(torch.randn(4, 8)).square().mean() / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_portable(optimizer, model, str(tmp_path / "with"), noise_scale=noise)
+    save_portable(optimizer, model, str(tmp_path / "without"))
+    fresh = GradientNoiseScale(model, Muon(model, lr=0.01), 1, 2, warmup_steps=0)
+    load_portable(fresh.optimizer, model, str(tmp_path / "with"), noise_scale=fresh)
+    assert fresh.state_dict() == noise.state_dict() and fresh.measured_steps == 3
+    other = GradientNoiseScale(model, Muon(model, lr=0.01), 1, 2)
+    with caplog.at_level("WARNING", logger="hf_muon"):
+        load_portable(other.optimizer, model, str(tmp_path / "without"), noise_scale=other)
+    assert "no gradient noise scale state" in caplog.text and other.measured_steps == 0
