@@ -265,3 +265,38 @@ def test_state_travels_in_the_portable_checkpoint(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="hf_muon"):
         load_portable(other.optimizer, model, str(tmp_path / "without"), noise_scale=other)
     assert "no gradient noise scale state" in caplog.text and other.measured_steps == 0
+
+
+def test_trainer_adaptive_lr_logs_resumes_and_is_off_by_default(tmp_path):
+    """--optim_args adaptive_lr=true: the estimator is attached when training begins, its figures are in
+    every log, and a resume from a checkpoint continues the estimate exactly."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    try:
+        from train_tiny import Bytes
+    finally:
+        sys.path.pop(0)
+    from transformers import Trainer, TrainingArguments
+
+    from test_trainer import TINY, tiny_llama
+
+    def run(optim_args, resume=None):
+        args = TrainingArguments(output_dir=str(tmp_path / optim_args), optim="muon", optim_args=optim_args,
+                                 learning_rate=1e-2, max_steps=12, logging_steps=2, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=2, report_to="none", save_strategy="steps", save_steps=6,
+                                 use_cpu=True, max_grad_norm=0, seed=0)
+        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(open(TINY, "rb").read() * 4))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("adaptive_lr=true")
+    noise = full.optimizer.optimizer.noise_scale_estimator
+    assert noise.measured_steps == 12 and math.isfinite(noise.noise_scale)
+    last = [e for e in full.state.log_history if "loss" in e][-1]
+    assert last["muon/noise_scale"] == noise.noise_scale and last["muon/lr_multiplier"] == noise.lr_multiplier
+    resumed = run("adaptive_lr=true", resume=str(tmp_path / "adaptive_lr=true" / "checkpoint-6"))
+    again = resumed.optimizer.optimizer.noise_scale_estimator
+    assert (again.steps, again.measured_steps) == (12, 12)
+    assert again.noise_scale == pytest.approx(noise.noise_scale, rel=1e-6)
+    plain = run("ns_steps=5")
+    assert not hasattr(plain.optimizer.optimizer, "noise_scale_estimator")
+    assert all("muon/noise_scale" not in e for e in plain.state.log_history)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..checkpoint.portable import CheckpointError, has_portable_state, has_state, load_portable, save_portable
 from .compat import internal, wrap_once
+from .trainer_adaptive_lr import estimator_for_checkpoint
 
 LIBRARY = "transformers"
 logger = logging.getLogger("hf_muon")
@@ -107,7 +108,7 @@ def save_with_trainer(trainer: Any, output_dir: str) -> None:
         return
     try:
         save_portable(muon, trainer.model, output_dir, scheduler=trainer.lr_scheduler,
-                      written_under=describe_layout(trainer))
+                      written_under=describe_layout(trainer), noise_scale=estimator_for_checkpoint(trainer))
     except (KeyError, RuntimeError, NotImplementedError) as error:  # the same on every rank: no collective started
         logger.warning(f"hf_muon_state/ NOT written to {output_dir} ({error}): this checkpoint resumes only under "
                        "the layout that wrote it")
@@ -119,7 +120,7 @@ def load_with_trainer(trainer: Any, checkpoint: str) -> bool:
     if muon is None or not has_portable_state(checkpoint):
         return False
     meta = load_portable(muon, trainer.model, checkpoint, scheduler=trainer.lr_scheduler,
-                         allow_fresh_state=_allow_fresh(trainer))
+                         allow_fresh_state=_allow_fresh(trainer), noise_scale=estimator_for_checkpoint(trainer))
     was, now = meta.get("written_under", {}), describe_layout(trainer)
     logger.info(f"resumed optimizer state from {checkpoint}: written under {was.get('backend', '?')} at "
                 f"{was.get('world_size', '?')} ranks, loaded under {now['backend']} at {now['world_size']}")

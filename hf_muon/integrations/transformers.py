@@ -39,10 +39,12 @@ OPTIM_ARGS = {
     "force_adamw": str,
     "ns_split": str,
     "telemetry": lambda v: _BOOL[v.lower()],
+    # not Muon settings: the Trainer attaches these features when training begins
+    "adaptive_lr": lambda v: _BOOL[v.lower()],
     # not a Muon setting: a resume whose checkpoint has no usable optimizer state continues fresh (loudly)
     "allow_fresh_state": lambda v: _BOOL[v.lower()],
 }
-_TRAINER_ONLY = ("allow_fresh_state",)
+_TRAINER_ONLY = ("allow_fresh_state", "adaptive_lr")
 
 
 def add_optimizer_name(training_args: ModuleType) -> None:
@@ -196,11 +198,12 @@ def on_trainer(trainer_module: ModuleType) -> None:
     ``muon``, check DeepSpeed configs once the Trainer's Accelerator exists, and make checkpoints
     resume under any layout (:mod:`hf_muon.integrations.trainer_checkpoints`), and log Muon's figures
     (:mod:`hf_muon.integrations.trainer_telemetry`) (idempotent)."""
-    from . import trainer_checkpoints, trainer_telemetry
+    from . import trainer_adaptive_lr, trainer_checkpoints, trainer_telemetry
     from .deepspeed_config import check_trainer
 
     trainer_checkpoints.on_trainer(trainer_module)
     trainer_telemetry.on_trainer(trainer_module)
+    trainer_adaptive_lr.on_trainer(trainer_module)
     trainer_cls = internal(trainer_module, "Trainer", LIBRARY)
 
     def wrap_lookup(original):
