@@ -1,7 +1,7 @@
 """Figure 6: model-aware Muon.
 
 (a) Telemetry's cost: optimizer steps of one model with ``telemetry=True`` and ``False``, interleaved,
-median ratio; and the recording itself timed directly (``StepFigures.add_update``), as a share of
+median ratio; and the recording itself timed directly (``StepFigures.add_batch``), as a share of
 the step. (b) Fused projections per block: GPT-2 (q | k | v in one ``c_attn``) trained by the
 pretraining recipe with ``ns_split="block"`` and ``"none"``, the same learning-rate grid and seeds,
 each compared at its best learning rate.
@@ -38,16 +38,16 @@ def telemetry_cost(cfg: dict[str, Any]) -> dict[str, Any]:
         for n, p in model.named_parameters():
             p.grad = grads[n].clone()
     recording = {"s": 0.0}
-    original = telemetry_module.StepFigures.add_update
+    original = telemetry_module.StepFigures.add_batch
 
-    def timed_add_update(self, *a, **k):
+    def timed_add_batch(self, *a, **k):
         started = time.perf_counter()
         original(self, *a, **k)
         recording["s"] += time.perf_counter() - started
 
     times: dict[bool, list[float]] = {True: [], False: []}
     reads: list[float] = []
-    telemetry_module.StepFigures.add_update = timed_add_update
+    telemetry_module.StepFigures.add_batch = timed_add_batch
     try:
         for on in (True, False):  # warm-up
             optimizers[on].step()
@@ -61,7 +61,7 @@ def telemetry_cost(cfg: dict[str, Any]) -> dict[str, Any]:
             optimizers[True].telemetry()
             reads.append(time.perf_counter() - started)
     finally:
-        telemetry_module.StepFigures.add_update = original
+        telemetry_module.StepFigures.add_batch = original
     ratios = [a / b for a, b in zip(times[True], times[False])]
     step_on = statistics.median(times[True])
     return {

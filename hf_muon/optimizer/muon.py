@@ -99,18 +99,26 @@ def plan_ns_dtype(ns_dtype: torch.dtype | str | None) -> torch.dtype:
 def orthogonalize_all(
     updates: list[Tensor], stacked: bool, steps: int, coefficients: str, ns_dtype: torch.dtype | str | None,
     orthogonalize_fn: OrthogonalizeFn | None = None, blocks: list[Blocks | None] | None = None,
-    block_scales: list[list[float] | None] | None = None,
+    block_scales: list[list[float] | None] | None = None, weights: list[float] | None = None,
+    record: Callable[[Tensor, list[float]], None] | None = None,
 ) -> list[Tensor]:
     """Newton–Schulz of every update, one batched call per (shape, device), in the NS dtype.
 
     ``orthogonalize_fn`` (default :func:`hf_muon.kernels.orthogonalize`) runs on each batch. An update
     with ``blocks[i]`` (a fused projection) is orthogonalized block by block and reassembled, each
-    block times ``block_scales[i][k]`` (its learning-rate scale relative to the tensor's; float32 then)."""
+    block times ``block_scales[i][k]`` (its learning-rate scale relative to the tensor's; float32 then).
+    ``record(batch, row_weights)`` sees each batch Newton–Schulz returned, with a weight per matrix:
+    ``weights[i]`` of its update times its block's relative scale squared (telemetry)."""
     fn = orthogonalize_fn if orthogonalize_fn is not None else orthogonalize
     mats: list[Tensor] = []  # each update's matrices in order: one, or one per block
+    mat_weights: list[float] = []
     for i, u in enumerate(updates):
         cut = blocks[i] if blocks is not None else None
-        mats.extend(as_matrices(part, stacked) for part in (cut.split(u) if cut is not None else [u]))
+        parts = cut.split(u) if cut is not None else [u]
+        mats.extend(as_matrices(part, stacked) for part in parts)
+        if record is not None:
+            relative = (block_scales[i] if block_scales is not None else None) or [1.0] * len(parts)
+            mat_weights.extend(weights[i] * r * r for r in relative)
     buckets: dict[tuple, list[int]] = {}
     for j, m in enumerate(mats):
         buckets.setdefault((tuple(m.shape[1:]), m.device), []).append(j)
@@ -122,6 +130,8 @@ def orthogonalize_all(
         batch = torch.empty(sum(mats[j].shape[0] for j in indices), *shape, dtype=dtype, device=device)
         torch.cat([mats[j] for j in indices], out=batch)
         ortho = fn(batch, steps, coefficients, dtype)
+        if record is not None:
+            record(ortho, [mat_weights[j] for j in indices for _ in range(mats[j].shape[0])])
         for j, piece in zip(indices, ortho.split([mats[j].shape[0] for j in indices])):
             ortho_mats[j] = piece
     out: list[Tensor] = []
@@ -201,10 +211,10 @@ def muon_update(
         """Whole tensors ``which`` (indices into ``params``) -> their orthogonalized updates."""
         watch = Stopwatch(whole[0].device) if figures is not None and whole else None
         out = orthogonalize_all(whole, stacked, ns_steps, ns_coefficients, ns_dtype, orthogonalize_fn,
-                                [blocks[i] for i in which], [relative[i] for i in which])
+                                [blocks[i] for i in which], [relative[i] for i in which],
+                                [(lr * scales[i]) ** 2 for i in which], figures.add_batch if figures else None)
         if watch is not None:
             figures.watches.append(watch.stop())
-            figures.add_update(out, [scales[i] for i in which], lr)
         return out
 
     ortho = newton_schulz(blended, list(range(len(blended)))) if exchange is None else exchange(blended, newton_schulz)
