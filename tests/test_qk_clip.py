@@ -265,3 +265,44 @@ def test_demo_high_lr_logits_grow_without_clip_and_stay_bounded_with_it():
     # updated weights by what was measured, so the next measurement can overshoot tau by one update.
     assert max(clipped) <= 1.5 * tau
     assert max(clipped[-10:]) < max(plain[-10:]) / 3
+
+
+def run_qk_clip_same_answer(tmp_path, backends: str, timeout: int) -> dict:
+    from test_distributed import torchrun
+
+    out = tmp_path / "qk_clip.json"
+    torchrun(os.path.join(HERE, "dist", "qk_clip_same_answer.py"), ["--backends", backends, "--out", str(out)],
+             timeout=timeout, env={"DS_ACCELERATOR": "cpu"})
+    return json.loads(out.read_text())
+
+
+def check_same_answer_and_clipped(r: dict, backend: str) -> None:
+    reference, run = r["reference"], r[backend]
+    # the tau clips heads at every step, the same heads as one process
+    assert all(n > 0 for n in reference["clipped_heads"])
+    assert run["clipped_heads"] == reference["clipped_heads"]
+    assert max(run["max_rel_diff"]) <= 1e-5
+    # key biases have a zero gradient up to round-off, which AdamW amplifies (see the script)
+    assert max(run["k_bias_max_rel_diff"]) <= 1e-4
+    # the last step ran at lr 0 (it only clipped): nothing over tau is left
+    assert reference["max_logit_after"] <= r["tau"] * (1 + 1e-5)
+    assert run["max_logit_after"] <= r["tau"] * (1 + 1e-5)
+    assert run["last_step_max_logit"] > r["tau"]
+
+
+@pytest.mark.slow
+def test_qk_clip_zero_same_answer(tmp_path):
+    started = time.monotonic()
+    r = run_qk_clip_same_answer(tmp_path, "zero2,zero3", timeout=180)
+    print(f"\nZeRO-2/3 QK-clip run: {time.monotonic() - started:.0f} s")
+    for backend in ("zero2", "zero3"):
+        check_same_answer_and_clipped(r, backend)
+
+
+@pytest.mark.slow
+def test_qk_clip_fsdp2_ddp_same_answer(tmp_path):
+    started = time.monotonic()
+    r = run_qk_clip_same_answer(tmp_path, "fsdp2,ddp", timeout=180)
+    print(f"\nFSDP2/DDP QK-clip run: {time.monotonic() - started:.0f} s")
+    for backend in ("fsdp2", "ddp"):
+        check_same_answer_and_clipped(r, backend)

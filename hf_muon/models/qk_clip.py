@@ -309,8 +309,11 @@ class QKClip:
         maxima = [self._maxima_of(i) for i in range(len(self.layers))]
         device = maxima[0].device
         flat = torch.cat([m.to(device) for m in maxima])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        # the ranks the optimizer treats as one data-parallel job see different data: agree on the max
+        # (Muon(distributed=False) means each rank trains alone)
+        group = self._optimizer.process_group
+        if self._optimizer.distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
         self._last_max = flat.max()
         over = flat > self.tau
         self._last_clipped = over.sum()
