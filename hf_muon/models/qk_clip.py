@@ -138,10 +138,10 @@ _TRACKED: "weakref.WeakKeyDictionary[nn.Module, tuple[QKClip, int]]" = weakref.W
 
 def _base_attention(base: str, module: nn.Module) -> Callable:
     """The function the module would call without QKClip: its model's own eager function, or sdpa."""
-    if base == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if base == "sdpa":  # whatever transformers' registry holds for it (a user may have overridden it)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        return sdpa_attention_forward
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         raise RuntimeError(f"QKClip: {type(module).__module__} has no eager_attention_forward to call")
