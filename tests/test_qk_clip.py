@@ -307,3 +307,33 @@ def test_qk_clip_fsdp2_ddp_same_answer(tmp_path):
     print(f"\nFSDP2/DDP QK-clip run: {time.monotonic() - started:.0f} s")
     for backend in ("fsdp2", "ddp"):
         check_same_answer_and_clipped(r, backend)
+
+
+def test_trainer_option_clips_and_logs_the_largest_logit(tmp_path):
+    """--optim_args qk_clip_tau=...: Muon attaches QK-clip to the Trainer's model, every training log
+    carries muon/max_attention_logit and muon/clipped_heads; a bad tau stops the run up front."""
+    import os
+    import sys
+
+    from transformers import Trainer, TrainingArguments
+
+    from test_trainer import TINY, tiny_llama
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+    try:
+        from train_tiny import Bytes
+    finally:
+        sys.path.pop(0)
+    args = TrainingArguments(output_dir=str(tmp_path), optim="muon", optim_args="qk_clip_tau=0.05", learning_rate=5e-2,
+                             max_steps=4, logging_steps=1, per_device_train_batch_size=4, report_to="none",
+                             save_strategy="no", use_cpu=True)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(open(TINY, "rb").read()))
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert opt.qk_clip is not None and opt.qk_clip.tau == 0.05
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logs) == 4
+    for entry in logs:
+        assert entry["muon/max_attention_logit"] > 0.05 and entry["muon/clipped_heads"] > 0, entry
+    with pytest.raises(ValueError, match="tau must be a finite number > 0"):
+        Muon(tiny_llama(), qk_clip_tau=-1.0)

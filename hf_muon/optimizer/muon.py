@@ -289,6 +289,9 @@ class Muon(Optimizer):
             or ``model=``); see ``fused_blocks()`` and ``hf-muon inspect``.
         telemetry: record each step's figures for :meth:`telemetry` (the Trainer logs them): a few
             reductions per step, no host sync.
+        qk_clip_tau: QK-clip (MuonClip): after each step, rescale the query and key weights of every
+            attention head whose largest logit in the step's forward passes exceeded this
+            (:class:`hf_muon.models.qk_clip.QKClip`; needs the model). ``None``: off.
 
     Attributes:
         skipped_steps: steps skipped because some gradient was not finite.
@@ -321,6 +324,7 @@ class Muon(Optimizer):
         orthogonalize_fn: OrthogonalizeFn | None = None,
         ns_split: str = "block",
         telemetry: bool = True,
+        qk_clip_tau: float | None = None,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -369,6 +373,7 @@ class Muon(Optimizer):
         self.exchange_stats = ExchangeStats()
         self.telemetry_enabled = telemetry
         self._telemetry = Telemetry()
+        self.qk_clip = self._attach_qk_clip(source_model, qk_clip_tau) if qk_clip_tau is not None else None
         if logger.isEnabledFor(logging.INFO):
             line = describe_optimizer(self.param_groups, resolve_ns_dtype)
             fused = self.fused_blocks()
@@ -430,6 +435,22 @@ class Muon(Optimizer):
         self._group_tensors.append(list(group["params"]))
         self._group_tensor_ids.append({id(t) for t in group["params"]})
         self._group_blocks.append(self._blocks_of(group))
+
+    def _attach_qk_clip(self, model: nn.Module | None, tau: float) -> Any:
+        from ..models.qk_clip import QKClip
+
+        if model is None:
+            raise ValueError("qk_clip_tau needs the model (its attention layers are tracked): pass Muon(model, ...), "
+                             "Muon(model.parameters(), ...) or Muon(params, model=model)")
+        clip = QKClip(model, tau).attach(self)
+
+        def figures() -> dict[str, float]:
+            largest = clip.max_attention_logit
+            return {"muon/max_attention_logit": math.nan if largest is None else largest,
+                    "muon/clipped_heads": float(clip.clipped_heads)}
+
+        self.add_telemetry_source(figures)
+        return clip
 
     def _blocks_of(self, group: dict) -> list[Blocks | None]:
         """The blocks of each of a new group's tensors (``None``: orthogonalized whole)."""
