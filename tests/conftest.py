@@ -28,11 +28,18 @@ else:
 @pytest.fixture(autouse=True)
 def hf_muon_hooks():
     """hf_muon's registration (``--optim muon``, ``HfMuon`` for DeepSpeed, Accelerate's refusal) for one test."""
+    import logging
+
     from hf_muon.integrations.import_hook import register_when_transformers_loads
 
+    # a Trainer run gives the "hf_muon" logger a handler of its own (and stops propagation): put it
+    # back as it was, or later tests' caplog would not see hf_muon's warnings
+    logger = logging.getLogger("hf_muon")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
     register_when_transformers_loads()
     yield
     hf_muon.unregister()
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
 
 
 def minilm_path() -> str:

@@ -171,6 +171,7 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
     """
     from transformers import Trainer
 
+    from ..optimizer.groups import ModelParamGroups
     from ..optimizer.muon import Muon
     from ..optimizer.param_split import split_parameters
 
@@ -187,8 +188,9 @@ def muon_cls_and_kwargs(args: Any, model: Any) -> tuple[type, dict[str, Any]]:
         weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
-        params=split.param_groups(no_decay=no_decay, weight_decay=args.weight_decay),
-        model=model,  # fused projections are read from it (ns_split)
+        # the groups carry the model (fused projections, QK-clip): a "model" keyword would make the
+        # Trainer pass the model instead of these groups
+        params=ModelParamGroups(split.param_groups(no_decay=no_decay, weight_decay=args.weight_decay), model),
         **options,
     )
     return Muon, kwargs

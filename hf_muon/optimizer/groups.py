@@ -14,14 +14,26 @@ from .param_split import ADAMW, MUON, shape_of, split_parameters
 ALGORITHMS = (MUON, ADAMW)
 
 
+class ModelParamGroups(list):
+    """Param group dicts that remember the model they split (``.model``): the Trainer hands the groups
+    over but replaces them with the model if it finds a ``model`` keyword, so the model travels here."""
+
+    def __init__(self, groups: list[dict], model: nn.Module) -> None:
+        super().__init__(groups)
+        self.model = model
+
+
 def module_behind(params: Any) -> nn.Module | None:
-    """The module behind ``params`` if it is a module or a live ``model.(named_)parameters()`` generator.
+    """The module behind ``params`` if it is a module, a live ``model.(named_)parameters()`` generator
+    or :class:`ModelParamGroups`.
 
     ``Muon(model.parameters())`` must behave like ``Muon(model)``: AdamW users pass the generator,
     and without the module embeddings and heads cannot be told from hidden matrices.
     """
     if isinstance(params, nn.Module):
         return params
+    if isinstance(params, ModelParamGroups):
+        return params.model
     if inspect.isgenerator(params) and params.gi_frame is not None:
         if params.gi_code in (nn.Module.parameters.__code__, nn.Module.named_parameters.__code__):
             owner = params.gi_frame.f_locals.get("self")
