@@ -80,3 +80,24 @@ def test_every_trainer_log_carries_the_figures(tmp_path, optim_args, logged):
         if logged:  # both halves' rates: the Trainer's own learning_rate is the first group's only
             assert (entry["muon/lr"], entry["muon/adamw_lr"]) == (1e-2, 1e-3)
             assert entry["muon/update_rms"] > 0 and entry["muon/adamw_update_rms"] > 0
+
+
+def test_trainer_records_update_norms_only_before_logged_steps(tmp_path, monkeypatch):
+    from hf_muon.optimizer import telemetry
+
+    sys.path.insert(0, os.path.dirname(TINY))
+    try:
+        from train_tiny import Bytes
+    finally:
+        sys.path.pop(0)
+    args = TrainingArguments(output_dir=str(tmp_path), optim="muon", learning_rate=1e-2, max_steps=7, logging_steps=3,
+                             per_device_train_batch_size=4, report_to="none", save_strategy="no", use_cpu=True)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(open(TINY, "rb").read()))
+    recorded = []
+    original = telemetry.StepFigures.add_batch
+    monkeypatch.setattr(telemetry.StepFigures, "add_batch",
+                        lambda self, *a: recorded.append(trainer.state.global_step + 1) or original(self, *a))
+    trainer.train()
+    assert sorted(set(recorded)) == [3, 6, 7]  # the logged steps, and the last one
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in logs] == [3, 6] and all(e["muon/update_rms"] > 0 for e in logs)

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compat import internal, wrap_once
-
-LIBRARY = "transformers"
-
 
 def requested(trainer: Any) -> bool:
     from .transformers import _is_muon, parse_optim_args
@@ -76,17 +72,3 @@ def install(trainer: Any) -> None:
 
     trainer.add_callback(AttachNoiseScale())
 
-
-def on_trainer(trainer_module: Any) -> None:
-    """Import hook of ``transformers.trainer``: a Trainer built with ``adaptive_lr=true`` gets the
-    callback (idempotent)."""
-    trainer_cls = internal(trainer_module, "Trainer", LIBRARY)
-
-    def wrap_init(original):
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            install(self)
-
-        return __init__
-
-    wrap_once(trainer_cls, "__init__", wrap_init, LIBRARY)

@@ -206,7 +206,6 @@ def on_trainer(trainer_module: ModuleType) -> None:
 
     trainer_checkpoints.on_trainer(trainer_module)
     trainer_telemetry.on_trainer(trainer_module)
-    trainer_adaptive_lr.on_trainer(trainer_module)
     trainer_cls = internal(trainer_module, "Trainer", LIBRARY)
 
     def wrap_lookup(original):
@@ -225,6 +224,16 @@ def on_trainer(trainer_module: ModuleType) -> None:
 
         return create_accelerator_and_postprocess
 
+    def wrap_init(original):
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            # callbacks that act once training begins (the optimizer and the prepared model exist then)
+            trainer_telemetry.install(self)
+            trainer_adaptive_lr.install(self)
+
+        return __init__
+
+    wrap_once(trainer_cls, "__init__", wrap_init, LIBRARY)
     wrap_once(trainer_cls, "get_optimizer_cls_and_kwargs", wrap_lookup, LIBRARY)
     wrap_once(trainer_cls, "create_accelerator_and_postprocess", wrap_accelerator, LIBRARY)
 

@@ -113,14 +113,18 @@ class Telemetry:
 
     def __init__(self) -> None:
         self.last: dict[tuple, StepFigures] = {}
+        # whether steps record the update norms (the Trainer turns it on only before logged steps)
+        self.record_norms = True
         # each group's learning rate in its last step (a scheduler has moved group["lr"] on since)
         self.lrs: dict[int, float] = {}
         # callables returning extra figures (QK-clip's largest logit, the adaptive lr's noise scale)
         self.sources: list[Callable[[], dict[str, float]]] = []
 
-    def begin(self, key: tuple) -> StepFigures:
+    def begin(self, key: tuple) -> StepFigures | None:
         """Fresh figures for one group's step (``key``: the group, and the flat partition if any: ZeRO-3
-        steps each of a group's sub-groups on its own)."""
+        steps each of a group's sub-groups on its own); ``None`` in a step that records nothing."""
+        if not self.record_norms:
+            return None
         self.last[key] = StepFigures()
         return self.last[key]
 
