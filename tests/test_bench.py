@@ -207,6 +207,10 @@ def test_quick_preset_writes_a_well_formed_report(tmp_path):
     assert fig6["telemetry"]["repeats"] > 0 and 0 < fig6["telemetry"]["recording_share_of_step"] < 1
     assert fig6["fused"]["completed"] == fig6["fused"]["planned"] > 0, fig6["fused"].get("failed_runs")
     assert set(fig6["fused"]["best"]) == {"block", "none"}
+    assert fig6["qk_clip"]["completed"] == fig6["qk_clip"]["planned"] > 0
+    assert fig6["qk_clip"]["QK-clip"]["max_logit_curve"] and fig6["qk_clip"]["plain Muon (tracked only)"]["max_logit_curve"]
+    assert fig6["adaptive_lr"]["completed"] == fig6["adaptive_lr"]["planned"] > 0
+    assert fig6["adaptive_lr"]["adaptive lr"]["multiplier_curve"]
 
     targets = results["targets"]
     assert len(targets) == 9
@@ -227,7 +231,7 @@ def test_quick_preset_writes_a_well_formed_report(tmp_path):
     plots = results["files"]["plots"]
     assert {"fig1_step_time.png", "fig1_ns_efficiency.png", "fig1_orthogonality.png", "fig2_throughput.png",
             "fig3_memory.png", "fig4_network.png", "fig5_lr_sweep.png", "fig5_curves.png",
-            "fig6_fused_curves.png"} <= set(plots)
+            "fig6_fused_curves.png", "fig6_qk_clip.png", "fig6_adaptive_lr.png"} <= set(plots)
     for name in plots:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
         assert f"]({name})" in report

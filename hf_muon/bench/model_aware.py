@@ -4,7 +4,11 @@
 median ratio; and the recording itself timed directly (``StepFigures.add_batch``), as a share of
 the step. (b) Fused projections per block: GPT-2 (q | k | v in one ``c_attn``) trained by the
 pretraining recipe with ``ns_split="block"`` and ``"none"``, the same learning-rate grid and seeds,
-each compared at its best learning rate.
+each compared at its best learning rate. (c) QK-clip: the recipe's Llama at a high learning rate,
+the largest attention logit of each logged step with QK-clip at ``tau`` and without (tracked by a
+QK-clip whose ``tau`` is never reached). (d) The adaptive learning rate: the recipe with and without
+``adaptive_lr``, same seeds, final eval loss and the multiplier's curve.
+All training runs go through the pretraining recipe's worker (:func:`hf_muon.bench.quality.train_runs`).
 """
 
 from __future__ import annotations
@@ -104,11 +108,67 @@ def fused_sweep(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return result
 
 
+NEVER = 1e30  # a tau no logit reaches: QK-clip then only tracks
+
+
+def _telemetry_curve(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """Median over runs of ``key`` at each logged step."""
+    by_step: dict[int, list[float]] = {}
+    for r in records:
+        for entry in r.get("telemetry", []):
+            if key in entry:
+                by_step.setdefault(entry["step"], []).append(entry[key])
+    return [(step, statistics.median(values)) for step, values in sorted(by_step.items())]
+
+
+def qk_clip_curves(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """The largest attention logit per logged step, with QK-clip at ``cfg["tau"]`` and without."""
+    arms = {"QK-clip": cfg["tau"], "plain Muon (tracked only)": NEVER}
+    runs = [{"optim": "muon", "lr": cfg["lr"], "seed": seed, "optim_args": f"qk_clip_tau={tau:g}", "arm": arm}
+            for seed in cfg["seeds"] for arm, tau in arms.items()]
+    records = train_runs(runs, cfg, out_dir, "fig 6: QK-clip vs plain Muon at a high lr")
+    ok = [r for r in records if "final_eval_loss" in r]
+    result: dict[str, Any] = {"config": cfg, "completed": len(ok), "planned": len(runs),
+                              "failed_runs": [r.get("failed") or r.get("lane_failure") for r in records
+                                              if "final_eval_loss" not in r]}
+    for arm in arms:
+        sel = [r for r in ok if r["arm"] == arm]
+        curve = _telemetry_curve(sel, "muon/max_attention_logit")
+        result[arm] = {"max_logit_curve": curve, "largest_logit": max((v for _, v in curve), default=None),
+                       "final_eval_loss": summarize([r["final_eval_loss"] for r in sel])}
+    return result
+
+
+def adaptive_lr_runs(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """The recipe with and without ``adaptive_lr``, same lr and seeds."""
+    arms = {"adaptive lr": "adaptive_lr=true", "fixed schedule": ""}
+    runs = [{"optim": "muon", "lr": cfg["lr"], "seed": seed, "optim_args": args, "arm": arm}
+            for seed in cfg["seeds"] for arm, args in arms.items()]
+    records = train_runs(runs, cfg, out_dir, "fig 6: adaptive lr vs the schedule alone")
+    ok = [r for r in records if "final_eval_loss" in r]
+    result: dict[str, Any] = {"config": cfg, "completed": len(ok), "planned": len(runs),
+                              "failed_runs": [r.get("failed") or r.get("lane_failure") for r in records
+                                              if "final_eval_loss" not in r]}
+    for arm in arms:
+        sel = [r for r in ok if r["arm"] == arm]
+        result[arm] = {"final_eval_loss": summarize([r["final_eval_loss"] for r in sel]),
+                       "eval_curve": median_curve([r["eval_curve"] for r in sel]) if sel else []}
+    adaptive = [r for r in ok if r["arm"] == "adaptive lr"]
+    result["adaptive lr"]["multiplier_curve"] = _telemetry_curve(adaptive, "muon/lr_multiplier")
+    result["adaptive lr"]["noise_scale_curve"] = _telemetry_curve(adaptive, "muon/noise_scale")
+    by_seed = {arm: {r["seed"]: r["final_eval_loss"] for r in ok if r["arm"] == arm} for arm in arms}
+    seeds = sorted(set(by_seed["adaptive lr"]) & set(by_seed["fixed schedule"]))
+    result["adaptive_minus_fixed_per_seed"] = {s: by_seed["adaptive lr"][s] - by_seed["fixed schedule"][s] for s in seeds}
+    return result
+
+
 def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Both parts of figure 6; a part that fails is reported, the other still runs."""
+    """Every part of figure 6; a part that fails is reported, the others still run."""
     result: dict[str, Any] = {}
     for name, fn in (("telemetry", lambda: telemetry_cost(cfg["telemetry"])),
-                     ("fused", lambda: fused_sweep(cfg["fused"], out_dir / "fused_runs"))):
+                     ("fused", lambda: fused_sweep(cfg["fused"], out_dir / "fused_runs")),
+                     ("qk_clip", lambda: qk_clip_curves(cfg["qk_clip"], out_dir / "qk_clip_runs")),
+                     ("adaptive_lr", lambda: adaptive_lr_runs(cfg["adaptive_lr"], out_dir / "adaptive_lr_runs"))):
         try:
             result[name] = fn()
         except Exception as exc:  # noqa: BLE001 - one broken part must not take the other down

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                 train_curve, curve = loss_curves(trainer.state.log_history)
                 record.update(final_eval_loss=final, eval_curve=curve, train_curve=train_curve,
                               parameters=model.num_parameters(),
-                              telemetry=[{k: v for k, v in e.items() if k.startswith("muon/")}
+                              telemetry=[{"step": e["step"], **{k: v for k, v in e.items() if k.startswith("muon/")}}
                                          for e in trainer.state.log_history if "loss" in e])
                 del trainer, model
             except Exception as exc:  # noqa: BLE001 - one failed run is reported, the sweep goes on

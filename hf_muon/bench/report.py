@@ -352,6 +352,34 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_title("GPT-2: fused c_attn orthogonalized per block vs whole, each at its best lr", fontsize=9)
         ax.legend(fontsize=8)
         save(fig, "fig6_fused_curves.png")
+    qk = _get(figs, "fig6", "qk_clip") or {}
+    if any(isinstance(v, dict) and v.get("max_logit_curve") for v in qk.values()):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for arm, data in qk.items():
+            if isinstance(data, dict) and data.get("max_logit_curve"):
+                ax.plot(*zip(*data["max_logit_curve"]), marker="o", markersize=3, label=arm)
+        ax.axhline(qk["config"]["tau"], color="gray", linestyle=":", label=f"tau = {qk['config']['tau']:g}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("largest attention logit in the step")
+        ax.set_title(f"QK-clip at lr {qk['config']['lr']:g}", fontsize=9)
+        ax.legend(fontsize=8)
+        save(fig, "fig6_qk_clip.png")
+    ada = _get(figs, "fig6", "adaptive_lr") or {}
+    if _get(ada, "adaptive lr", "eval_curve"):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for arm in ("adaptive lr", "fixed schedule"):
+            if ada[arm]["eval_curve"]:
+                ax.plot(*zip(*ada[arm]["eval_curve"]), marker="o", markersize=3, label=f"{arm}: eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("eval loss (median over seeds)")
+        if ada["adaptive lr"].get("multiplier_curve"):
+            twin = ax.twinx()
+            twin.plot(*zip(*ada["adaptive lr"]["multiplier_curve"]), color="gray", linestyle="--", label="lr multiplier")
+            twin.set_ylabel("lr multiplier (median)")
+            twin.legend(fontsize=7, loc="upper center")
+        ax.set_title("adaptive learning rate vs the schedule alone", fontsize=9)
+        ax.legend(fontsize=7)
+        save(fig, "fig6_adaptive_lr.png")
     return written
 
 
@@ -634,4 +662,32 @@ def _fig6_md(f: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
         out += [f"At each one's best learning rate: block {b['block']['final_eval_loss']['median']:.4f} "
                 f"(lr {b['block']['lr']:g}), none {b['none']['final_eval_loss']['median']:.4f} (lr {b['none']['lr']:g}); "
                 f"block minus none per seed: {diffs}.", ""]
-    return out + _img("fig6_fused_curves.png", plot_files)
+    out += _img("fig6_fused_curves.png", plot_files)
+    qk = f.get("qk_clip", {})
+    out += ["### QK-clip", ""]
+    if "config" not in qk:
+        out += [f"failed: {qk.get('failed')}", ""]
+    else:
+        c = qk["config"]
+        out += [f"The recipe's model (flags {c['model'] or 'default'}) at lr {c['lr']:g}, {c['training']['max_steps']} "
+                f"steps, seeds {c['seeds']}; {qk['completed']} of {qk['planned']} runs finished. Largest attention "
+                f"logit of any logged step: with QK-clip at tau {c['tau']:g}: "
+                f"{_fmt(qk['QK-clip']['largest_logit'], 4)}; without (tracked only): "
+                f"{_fmt(qk['plain Muon (tracked only)']['largest_logit'], 4)}. Final eval loss: "
+                f"{_fmt(qk['QK-clip']['final_eval_loss']['median'], 4)} with, "
+                f"{_fmt(qk['plain Muon (tracked only)']['final_eval_loss']['median'], 4)} without.", ""]
+        out += _img("fig6_qk_clip.png", plot_files)
+    ada = f.get("adaptive_lr", {})
+    out += ["### Adaptive learning rate", ""]
+    if "config" not in ada:
+        out += [f"failed: {ada.get('failed')}", ""]
+    else:
+        c = ada["config"]
+        diffs = ", ".join(f"seed {s}: {d:+.4f}" for s, d in ada["adaptive_minus_fixed_per_seed"].items())
+        out += [f"The recipe's model (flags {c['model'] or 'default'}) at lr {c['lr']:g}, {c['training']['max_steps']} "
+                f"steps, gradient accumulation {c['training'].get('gradient_accumulation_steps', 1)}, no clipping, "
+                f"seeds {c['seeds']}; {ada['completed']} of {ada['planned']} runs finished. Final eval loss, median "
+                f"(min–max): adaptive {_range(ada['adaptive lr']['final_eval_loss'], digits=4)}, fixed schedule "
+                f"{_range(ada['fixed schedule']['final_eval_loss'], digits=4)}; adaptive minus fixed per seed: {diffs}.", ""]
+        out += _img("fig6_adaptive_lr.png", plot_files)
+    return out

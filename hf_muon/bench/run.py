@@ -29,6 +29,7 @@ from typing import Any
 FIGURES = ("fig1", "fig3", "fig2_4", "fig5", "fig6")
 GPT2_SMALL = {"model_type": "gpt2", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
 GPT2 = {"model_type": "gpt2", "hidden_size": 192, "num_layers": 4, "num_heads": 4, "intermediate_size": 768}
+LLAMA_SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 QUICK: dict[str, Any] = {
     "fig1": {"sets": {"llama-like": {"d": 128, "layers": 2, "heads": 4, "kv_heads": 2},
@@ -56,7 +57,20 @@ QUICK: dict[str, Any] = {
                        "training": {"max_steps": 6, "warmup_steps": 1, "lr_scheduler_type": "cosine",
                                     "eval_strategy": "steps", "eval_steps": 3, "logging_steps": 3,
                                     "per_device_train_batch_size": 8, "per_device_eval_batch_size": 16,
-                                    "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}}},
+                                    "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}},
+             "qk_clip": {"lr": 0.1, "tau": 0.3, "seeds": [0], "lanes": 2, "timeout_s": 90, "model": LLAMA_SMALL,
+                         "data": {"seq_len": 64, "corpus_mb": 1.0, "max_eval_samples": 16},
+                         "training": {"max_steps": 6, "warmup_steps": 1, "lr_scheduler_type": "cosine",
+                                      "eval_strategy": "steps", "eval_steps": 6, "logging_steps": 2,
+                                      "per_device_train_batch_size": 8, "per_device_eval_batch_size": 16,
+                                      "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}},
+             "adaptive_lr": {"lr": 1e-2, "seeds": [0], "lanes": 2, "timeout_s": 90, "model": LLAMA_SMALL,
+                             "data": {"seq_len": 64, "corpus_mb": 1.0, "max_eval_samples": 16},
+                             "training": {"max_steps": 6, "warmup_steps": 1, "lr_scheduler_type": "cosine",
+                                          "eval_strategy": "steps", "eval_steps": 6, "logging_steps": 2,
+                                          "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                                          "max_grad_norm": 0.0, "per_device_eval_batch_size": 16,
+                                          "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}}},
 }
 
 FULL: dict[str, Any] = {
@@ -77,11 +91,23 @@ FULL: dict[str, Any] = {
                           "eval_steps": 8, "logging_steps": 8, "disable_tqdm": True, "report_to": "none",
                           "save_strategy": "no"}},
     "fig6": {"telemetry": {"model": GPT2, "repeats": 20},
-             "fused": {"lrs": [3e-3, 1e-2, 3e-2], "seeds": [0, 1, 2], "lanes": 2, "timeout_s": 1500, "model": GPT2,
+             "fused": {"lrs": [3e-3, 1e-2, 3e-2, 1e-1], "seeds": [0, 1, 2], "lanes": 2, "timeout_s": 1800, "model": GPT2,
                        "data": {},
                        "training": {"max_steps": 64, "warmup_steps": 6, "lr_scheduler_type": "cosine",
                                     "eval_strategy": "steps", "eval_steps": 8, "logging_steps": 8,
-                                    "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}}},
+                                    "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}},
+             # the recipe's Llama at a learning rate high enough for its attention logits to grow
+             "qk_clip": {"lr": 0.1, "tau": 30.0, "seeds": [0], "lanes": 2, "timeout_s": 900, "model": {}, "data": {},
+                         "training": {"max_steps": 64, "warmup_steps": 6, "lr_scheduler_type": "cosine",
+                                      "eval_strategy": "steps", "eval_steps": 32, "logging_steps": 4,
+                                      "disable_tqdm": True, "report_to": "none", "save_strategy": "no"}},
+             # gradient accumulation 2: two batch sizes in one process; no clipping (a clipped step is not measured)
+             "adaptive_lr": {"lr": 1e-2, "seeds": [0, 1, 2], "lanes": 2, "timeout_s": 1500, "model": {}, "data": {},
+                             "training": {"max_steps": 128, "warmup_steps": 6, "lr_scheduler_type": "cosine",
+                                          "eval_strategy": "steps", "eval_steps": 16, "logging_steps": 8,
+                                          "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+                                          "max_grad_norm": 0.0, "disable_tqdm": True, "report_to": "none",
+                                          "save_strategy": "no"}}},
 }
 
 
