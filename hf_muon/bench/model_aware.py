@@ -77,12 +77,19 @@ def telemetry_cost(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _finished(records: list[dict[str, Any]], runs: list[dict[str, Any]],
+              cfg: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The runs that finished, and a result that says how many did and why the others did not."""
+    ok = [r for r in records if "final_eval_loss" in r]
+    return ok, {"config": cfg, "completed": len(ok), "planned": len(runs),
+                "failed_runs": [r.get("failed") or r.get("lane_failure") for r in records if "final_eval_loss" not in r]}
+
+
 def fused_sweep(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """GPT-2 with ``ns_split`` block vs none: the recipe, same grid and seeds, eval curves."""
     runs = [{"optim": "muon", "lr": lr, "seed": seed, "optim_args": f"ns_split={split}", "split": split}
             for seed in cfg["seeds"] for lr in cfg["lrs"] for split in SPLITS]
-    records = train_runs(runs, cfg, out_dir, "fig 6: GPT-2, fused c_attn per block vs whole")
-    ok = [r for r in records if "final_eval_loss" in r]
+    ok, result = _finished(train_runs(runs, cfg, out_dir, "fig 6: GPT-2, fused c_attn per block vs whole"), runs, cfg)
     grid: dict[str, dict[str, Any]] = {}
     for split in SPLITS:
         grid[split] = {}
@@ -90,9 +97,7 @@ def fused_sweep(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             sel = [r for r in ok if r["split"] == split and r["lr"] == lr]
             if sel:
                 grid[split][f"{lr:g}"] = {"lr": lr, "final_eval_loss": summarize([r["final_eval_loss"] for r in sel])}
-    result: dict[str, Any] = {"config": cfg, "grid": grid, "completed": len(ok), "planned": len(runs),
-                              "failed_runs": [r.get("failed") or r.get("lane_failure") for r in records
-                                              if "final_eval_loss" not in r]}
+    result["grid"] = grid
     if not all(grid.values()):
         result["failed"] = "not every ns_split finished a run"
         return result
@@ -126,11 +131,7 @@ def qk_clip_curves(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     arms = {"QK-clip": cfg["tau"], "plain Muon (tracked only)": NEVER}
     runs = [{"optim": "muon", "lr": cfg["lr"], "seed": seed, "optim_args": f"qk_clip_tau={tau:g}", "arm": arm}
             for seed in cfg["seeds"] for arm, tau in arms.items()]
-    records = train_runs(runs, cfg, out_dir, "fig 6: QK-clip vs plain Muon at a high lr")
-    ok = [r for r in records if "final_eval_loss" in r]
-    result: dict[str, Any] = {"config": cfg, "completed": len(ok), "planned": len(runs),
-                              "failed_runs": [r.get("failed") or r.get("lane_failure") for r in records
-                                              if "final_eval_loss" not in r]}
+    ok, result = _finished(train_runs(runs, cfg, out_dir, "fig 6: QK-clip vs plain Muon at a high lr"), runs, cfg)
     for arm in arms:
         sel = [r for r in ok if r["arm"] == arm]
         curve = _telemetry_curve(sel, "muon/max_attention_logit")
@@ -144,11 +145,7 @@ def adaptive_lr_runs(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     arms = {"adaptive lr": "adaptive_lr=true", "fixed schedule": ""}
     runs = [{"optim": "muon", "lr": cfg["lr"], "seed": seed, "optim_args": args, "arm": arm}
             for seed in cfg["seeds"] for arm, args in arms.items()]
-    records = train_runs(runs, cfg, out_dir, "fig 6: adaptive lr vs the schedule alone")
-    ok = [r for r in records if "final_eval_loss" in r]
-    result: dict[str, Any] = {"config": cfg, "completed": len(ok), "planned": len(runs),
-                              "failed_runs": [r.get("failed") or r.get("lane_failure") for r in records
-                                              if "final_eval_loss" not in r]}
+    ok, result = _finished(train_runs(runs, cfg, out_dir, "fig 6: adaptive lr vs the schedule alone"), runs, cfg)
     for arm in arms:
         sel = [r for r in ok if r["arm"] == arm]
         result[arm] = {"final_eval_loss": summarize([r["final_eval_loss"] for r in sel]),

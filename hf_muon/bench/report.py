@@ -588,6 +588,19 @@ def _fig4_md(net: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
     return out + _img("fig4_network.png", plot_files)
 
 
+def _lr_grid(lrs: list[float], grid: dict[str, dict[str, Any]], labels: dict[str, str]) -> list[str]:
+    """A learning rate per row, each arm's median (min–max) final eval loss per column."""
+    out = ["| learning rate | " + " | ".join(f"{labels[arm]} final eval loss, median (min–max)" for arm in grid) + " |",
+           "|---|" + "---|" * len(grid)]
+    for lr in lrs:
+        cells = []
+        for rows in grid.values():
+            r = rows.get(f"{lr:g}")
+            cells.append("–" if r is None else _range(r["final_eval_loss"], digits=4))
+        out.append(f"| {lr:g} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def _fig5_md(q: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
     if not q:
         return []
@@ -603,15 +616,7 @@ def _fig5_md(q: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
             f"{q['completed']} of {q['planned']} runs finished.", ""]
     if q.get("failed_runs") or q.get("lane_failure"):
         out += [f"Failed runs: {q.get('failed_runs')}; {q.get('lane_failure') or ''}", ""]
-    out += ["| learning rate | " + " | ".join(f"{name} final eval loss, median (min–max)" for name in q["grid"]) + " |",
-            "|---|" + "---|" * len(q["grid"])]
-    for lr in c["lrs"]:
-        cells = []
-        for rows in q["grid"].values():
-            r = rows.get(f"{lr:g}")
-            cells.append("–" if r is None else _range(r["final_eval_loss"], digits=4))
-        out.append(f"| {lr:g} | " + " | ".join(cells) + " |")
-    out.append("")
+    out += _lr_grid(c["lrs"], q["grid"], {name: name for name in q["grid"]})
     if "best_lr" in q:
         out += [f"Best learning rate: AdamW {q['best_lr']['AdamW']:g}, hf_muon.Muon {q['best_lr']['hf_muon.Muon']:g}. "
                 f"Target: AdamW's best median final eval loss, {q['target_loss']:.4f}.", "",
@@ -646,16 +651,8 @@ def _fig6_md(f: dict[str, Any] | None, plot_files: list[str]) -> list[str]:
     c, t = fused["config"], fused["config"]["training"]
     out += [f"The pretraining recipe with model flags {c['model']} (GPT-2: q | k | v in one Conv1D `c_attn`), "
             f"{t['max_steps']} steps, the same grid {c['lrs']} and seeds {c['seeds']} for both; "
-            f"{fused['completed']} of {fused['planned']} runs finished.", "",
-            "| learning rate | " + " | ".join(f"ns_split={s}: final eval loss, median (min–max)" for s in fused["grid"]) + " |",
-            "|---|" + "---|" * len(fused["grid"])]
-    for lr in c["lrs"]:
-        cells = []
-        for rows in fused["grid"].values():
-            r = rows.get(f"{lr:g}")
-            cells.append("–" if r is None else _range(r["final_eval_loss"], digits=4))
-        out.append(f"| {lr:g} | " + " | ".join(cells) + " |")
-    out.append("")
+            f"{fused['completed']} of {fused['planned']} runs finished.", ""]
+    out += _lr_grid(c["lrs"], fused["grid"], {s: f"ns_split={s}" for s in fused["grid"]})
     if "best" in fused:
         b = fused["best"]
         diffs = ", ".join(f"seed {s}: {d:+.4f}" for s, d in fused["block_minus_none_per_seed"].items())
