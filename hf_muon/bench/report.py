@@ -172,7 +172,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         share = tel["recording_share_of_step"]
         add("telemetry cost", goal, f"{100 * share:.2f}% of the step", _status(share < 0.01),
             f"step time on/off {tel['ratio_on_off']['median']:.3f}x (median of {tel['repeats']} interleaved pairs); "
-            f"reading the figures {1e3 * tel['read_s']['median']:.1f} ms per logging step")
+            f"reading the figures {1e3 * tel['read_s']['median']:.1f} ms per logging step; a Trainer records only "
+            f"in the steps it logs, so it pays this once per logging_steps")
     elif "fig6" in figs:
         add("telemetry cost", goal, None, NOT_MEASURED, tel.get("failed") or "not run")
     return out

@@ -41,7 +41,7 @@ QUICK: dict[str, Any] = {
                "lr": 1e-3, "weight_decay": 0.01, "corpus_mb": 0.3, "seed": 0,
                "single": ["adamw", "hf_muon", "torch_muon"], "zero": ["adamw", "hf_muon", "ds_muon"],
                "zero_stages": [2, 3], "world": 2, "group_launches": True,
-               "launch_timeout_s": 60, "run_timeout_s": 25,
+               "launch_timeout_s": 60, "run_timeout_s": 40,
                # DeepSpeed's Muon compiles its kernels (minutes on a cold cache): eager in the quick preset
                "env": {"TORCHDYNAMO_DISABLE": "1"}},
     "fig5": {"lrs": [1e-3, 1e-2], "seeds": [0], "lanes": 2, "timeout_s": 90,
