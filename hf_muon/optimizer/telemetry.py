@@ -1,9 +1,9 @@
 """What each optimizer step did, for the Trainer's loggers and plain training loops.
 
-Recording costs no host sync: each Muon group's last step leaves a 0-dim tensor (sum of squares of
-the update the tensors this rank orthogonalized got), the time Newton–Schulz took (CUDA events on
-GPUs, a wall clock elsewhere) and the exchange's bytes. AdamW's update is a function of its state
-after the step, so its RMS is computed only when read. Reading (:meth:`Telemetry.read`) reduces
+Recording costs no host sync: each Muon group's last step leaves the norms of the updates this rank
+orthogonalized (one reduction kernel per Newton–Schulz batch, kept on the device), the time
+Newton–Schulz took (CUDA events on GPUs, a wall clock elsewhere) and the exchange's bytes. AdamW's
+update is a function of its state after the step, so its RMS is computed only when read. Reading (:meth:`Telemetry.read`) reduces
 across ranks: every rank must call it, as the Trainer does at each logging step.
 """
 
@@ -52,8 +52,8 @@ class StepFigures:
     """One Muon group's figures from its last step, on this rank.
 
     ``norms`` and ``weights``: per Newton–Schulz batch, the norm of each ``O`` this rank orthogonalized
-    and its ``(lr * scale)^2`` (owners only, so a sum over ranks counts each tensor once); ``watches``: Newton–Schulz regions;
-    ``exchange_bytes``: bytes this rank sent and received; ``replicated``: every rank orthogonalized
+    and its ``(lr * scale)^2`` (owners only, so a sum over ranks counts each tensor once);
+    ``watches``: Newton–Schulz regions; ``exchange_bytes``: bytes this rank sent and received; ``replicated``: every rank orthogonalized
     every tensor (no exchange in a multi-rank run), so a sum over ranks counts each ``world`` times.
     """
 
