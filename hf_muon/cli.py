@@ -79,7 +79,8 @@ def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | N
     blocks = [(name, tuple(model.get_parameter(name).shape), b)
               for key, (name, b) in fused_blocks(model, ns_split).items() if key in muon]
     lines += ["", f"Newton–Schulz blocks (ns_split={ns_split}): "
-              + (f"{len(blocks)} fused tensors, each orthogonalized block by block" if blocks else "none, whole matrices")]
+              + (f"{len(blocks)} fused tensor{'s' if len(blocks) != 1 else ''}, each orthogonalized block by block"
+                 if blocks else "none, whole matrices")]
     lines += [f"  {name:<{width}}  {describe_blocks(shape, b)}" for name, shape, b in blocks]
     return "\n".join(lines)
 

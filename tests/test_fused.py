@@ -176,3 +176,18 @@ def test_readme_lists_every_supported_model():
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     for models, modules, _ in MODEL_TABLE:
         assert f"| {models} | {modules} |" in readme, f"README's fused-projection table misses {models}"
+
+
+def test_inspect_cli_shows_the_blocks(tmp_path):
+    import subprocess
+    import sys
+
+    tiny("phi3").config.save_pretrained(tmp_path)
+    run = [sys.executable, "-m", "hf_muon.cli", "inspect", str(tmp_path)]
+    out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    assert "Newton–Schulz blocks (ns_split=block): 2 fused tensors" in out
+    assert "q 64x64 | k 16x64 | v 16x64" in out and "gate 96x64 | up 96x64" in out
+    heads = subprocess.run(run + ["--ns_split", "head"], capture_output=True, text=True, check=True).stdout
+    assert "q 8 heads of 8x64 | k 2 heads of 8x64 | v 2 heads of 8x64" in heads
+    none = subprocess.run(run + ["--ns_split", "none"], capture_output=True, text=True, check=True).stdout
+    assert "none, whole matrices" in none
