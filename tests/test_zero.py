@@ -47,7 +47,7 @@ def test_zero_stages_give_the_single_process_answer(tmp_path, accumulation):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, stages", [("gpt2", "2,3"), ("phi3", "3"), ("falcon", "3")])
+@pytest.mark.parametrize("model, stages", [("gpt2", "2,3"), ("phi3", "3"), ("neox", "3"), ("falcon", "3")])
 def test_fused_blocks_under_zero(tmp_path, model, stages):
     """Fused projections under ZeRO-2/3: the owner gathers the whole matrix, then orthogonalizes each
     block apart, exactly as one process does. (Not under zero.Init: transformers initialises these
