@@ -191,3 +191,29 @@ def test_inspect_cli_shows_the_blocks(tmp_path):
     assert "q 8 heads of 8x64 | k 2 heads of 8x64 | v 2 heads of 8x64" in heads
     none = subprocess.run(run + ["--ns_split", "none"], capture_output=True, text=True, check=True).stdout
     assert "none, whole matrices" in none
+
+
+def test_trainer_trains_gpt2_with_its_fused_blocks(tmp_path):
+    """End to end: --optim muon on a GPT-2 trains with c_attn cut into q, k, v (default ns_split)."""
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "scripts"))
+    try:
+        from train_tiny import Bytes
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
+                                           bos_token_id=0, eos_token_id=0))
+    data = Bytes(open(os.path.join(here, "test_fused.py"), "rb").read() * 2)
+    args = T.TrainingArguments(output_dir=str(tmp_path), optim="muon", learning_rate=1e-2, max_steps=12,
+                               logging_steps=4, per_device_train_batch_size=8, report_to="none", save_strategy="no",
+                               use_cpu=True)
+    trainer = T.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    opt = trainer.optimizer.optimizer
+    assert sorted(opt.fused_blocks()) == [f"transformer.h.{i}.attn.c_attn.weight" for i in range(2)]
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert losses[-1] < losses[0] - 0.5, losses
