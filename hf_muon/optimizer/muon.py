@@ -353,7 +353,8 @@ class Muon(Optimizer):
         self._backend_groups: set[int] = set()  # matrices_index of groups a backend holds as flat partitions
         # (matrices_index, data_ptr, numel) of each flat tensor seen -> (the flat, its partition)
         self._partitions: dict[tuple[int, int, int], tuple[Tensor, FlatPartition]] = {}
-        self._partition_exchanges: dict[tuple, Exchange] = {}
+        # per flat partition and plan: (its exchange, its tensors' shapes, their blocks)
+        self._partition_exchanges: dict[tuple, tuple[Exchange, list, list]] = {}
         # state read from a portable checkpoint, put into flat partitions' state as step() creates it
         self._pending_state: PendingState | None = None
         # Fused projections' blocks, by the model tensor (see hf_muon.models.fused); each group's list
@@ -617,17 +618,17 @@ class Muon(Optimizer):
             def pieces(t: Tensor) -> list[Tensor]:
                 return [t.narrow(0, offset, length) for offset, length in part.spans]
 
-            # The layout never changes, so neither does the owner plan: build the exchange once.
+            # The layout never changes, so neither do the owner plan, the shapes and the blocks: read them once.
             plan_dtype = plan_ns_dtype(group["ns_dtype"])
             plan_key = (*key, group["ns_steps"], plan_dtype)
             if plan_key not in self._partition_exchanges:
-                self._partition_exchanges[plan_key] = exchange_over(
-                    list(part.layouts), part.group, part.rank, part.world, group["ns_steps"], self.exchange_stats,
-                    self.bucket_bytes, self.comm_dtype, plan_dtype)
-            exchange = self._partition_exchanges[plan_key]
-            self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]),
-                             [layout.shape for layout in part.layouts], exchange, self._partition_blocks(group, part),
-                             key)
+                self._partition_exchanges[plan_key] = (
+                    exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
+                                  self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype),
+                    [layout.shape for layout in part.layouts], self._partition_blocks(group, part))
+            exchange, shapes, blocks = self._partition_exchanges[plan_key]
+            self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]), shapes,
+                             exchange, blocks, key)
 
     def _partition_of(self, group: dict, flat: Tensor) -> FlatPartition:
         """The partition ``flat`` (a backend's flat tensor standing in for the group's tensors) is,

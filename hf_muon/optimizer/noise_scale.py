@@ -262,6 +262,7 @@ class GradientNoiseScale:
         if not hasattr(self, "_model_tensor_ids"):
             self._model_tensor_ids = {id(p) for p in self.model.parameters()}
         groups = optimizer.param_groups
+        sharded, replicated = [], []
         for i, group in enumerate(groups):
             if "matrices_index" not in group and len(groups) != len(self._groups_total):
                 raise RuntimeError("GradientNoiseScale: step() was given a subset of the param groups of an "
@@ -270,14 +271,17 @@ class GradientNoiseScale:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                sq = local(p.grad).detach().float().square().sum()
                 # whole tensors are the same on every rank (DDP, DeepSpeed stage 0's fp32 copies); DTensor
                 # shards and ZeRO flat partitions are disjoint pieces, summed over ranks
                 whole = id(p) in self._model_tensor_ids or self._is_whole_copy(group, p)
-                (self._big_sharded if is_dtensor(p.grad) or not whole else self._big_replicated).append(sq)
+                (sharded if is_dtensor(p.grad) or not whole else replicated).append(local(p.grad).detach())
             if self.adapt_lr and self._multiplier != 1.0:
                 self._saved_lrs.append((group, group["lr"]))
                 group["lr"] = group["lr"] * self._multiplier
+        # one foreach reduction per kind, not one per tensor
+        for grads, into in ((sharded, self._big_sharded), (replicated, self._big_replicated)):
+            if grads:
+                into.append(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum())
 
     def _is_whole_copy(self, group: dict, p: Tensor) -> bool:
         is_flat = getattr(self.optimizer, "_is_backend_flat", None)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,7 @@ from torch import nn
 
 from hf_muon import Muon
 from hf_muon.optimizer.noise_scale import GradientNoiseScale, estimate_from_norms
-from same_answer import Block, loss_fn
+from same_answer import Block, loss_fn, write_and_shut_down
 
 MICRO, ACCUMULATION = 2, 2
 OPTIMIZER = dict(lr=1e-2, weight_decay=0.1, ns_dtype=torch.float32)
@@ -87,15 +86,10 @@ def main() -> None:
                 wrapped.backward(loss_fn(wrapped, micro))  # DeepSpeed divides by the accumulation steps
                 wrapped.step()
         norms.append(noise.last_norms)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"steps": noise.steps, "measured_steps": noise.measured_steps, "norms": norms,
-                       "reference": expected, "noise_scale": noise.noise_scale,
-                       "reference_noise_scale": reference.noise_scale, "lr_multiplier": noise.lr_multiplier}, f)
-    dist.barrier()
-    from hf_muon.launching import shutdown_process_group
-
-    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
+    write_and_shut_down(rank, args.out, {
+        "steps": noise.steps, "measured_steps": noise.measured_steps, "norms": norms, "reference": expected,
+        "noise_scale": noise.noise_scale, "reference_noise_scale": reference.noise_scale,
+        "lr_multiplier": noise.lr_multiplier})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hf_muon import Muon
 from hf_muon.models.qk_clip import QKClip
+from same_answer import write_and_shut_down
 from zero_same_answer import BATCH, zero_config
 
 TAU = 0.6
@@ -167,13 +167,7 @@ def main() -> None:
         results[backend] = {"max_rel_diff": [g_[0].item() for g_ in gathered],
                             "k_bias_max_rel_diff": [g_[1].item() for g_ in gathered], "clipped_heads": clipped,
                             "max_logit_after": after, "last_step_max_logit": last_max}
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()  # no rank tears gloo down while another still talks
-    from hf_muon.launching import shutdown_process_group
-
-    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
+    write_and_shut_down(rank, args.out, results)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,17 @@ def train(model, opt, batches, accumulation: int, rank: int, world: int) -> None
         opt.step()
 
 
+def write_and_shut_down(rank: int, path: str, results: dict) -> None:
+    """Rank 0 writes ``results`` as JSON to ``path``; then every rank ends the job cleanly."""
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()  # no rank tears gloo down while another still talks
+    from hf_muon.launching import shutdown_process_group
+
+    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["ddp", "fsdp2"], required=True)
@@ -181,19 +192,13 @@ def main() -> None:
     dist.all_gather(gathered, figures)
     layouts = layouts_of(muon_params, False, world)
     load = ns_load(layouts, assign_owners(layouts, world, 5), world, 5)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({
-                "world": world, "steps": args.steps, "muon_tensors": len(muon_params), "muon_numel": muon_numel,
-                "ns_matrices": matrices_per_step(opt),
-                "max_rel_diff": [g[0].item() for g in gathered], "ns_calls": [g[1].item() for g in gathered],
-                "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
-                "ns_flops_per_rank": load,
-            }, f)
-    dist.barrier()  # no rank tears gloo down while another still talks
-    from hf_muon.launching import shutdown_process_group
-
-    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
+    write_and_shut_down(rank, args.out, {
+        "world": world, "steps": args.steps, "muon_tensors": len(muon_params), "muon_numel": muon_numel,
+        "ns_matrices": matrices_per_step(opt),
+        "max_rel_diff": [g[0].item() for g in gathered], "ns_calls": [g[1].item() for g in gathered],
+        "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
+        "ns_flops_per_rank": load,
+    })
 
 
 if __name__ == "__main__":

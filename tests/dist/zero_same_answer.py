@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 
 import torch
 import torch.distributed as dist
 
 from hf_muon import Muon
-from same_answer import MODELS, build, counting_newton_schulz, loss_fn, matrices_per_step, reference_accumulation, train
+from same_answer import (MODELS, build, counting_newton_schulz, loss_fn, matrices_per_step, reference_accumulation, train,
+                         write_and_shut_down)
 
 BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
 # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then ZeRO and the
@@ -104,13 +104,7 @@ def main() -> None:
             "ns_calls": [g[1].item() for g in gathered], "bytes_sent": [g[2].item() for g in gathered],
             "bytes_received": [g[3].item() for g in gathered],
         }
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()  # no rank tears gloo down while another still talks
-    from hf_muon.launching import shutdown_process_group
-
-    shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
+    write_and_shut_down(rank, args.out, results)
 
 
 if __name__ == "__main__":
