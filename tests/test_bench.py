@@ -235,3 +235,43 @@ def test_quick_preset_writes_a_well_formed_report(tmp_path):
     for name in plots:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
         assert f"]({name})" in report
+
+
+def test_throughput_launches_alternate_contenders_in_rounds():
+    from hf_muon.bench.throughput import plan
+
+    cfg = {"single": ["adamw", "hf_muon"], "zero": ["adamw", "hf_muon"], "zero_stages": [2], "world": 2,
+           "rounds": 3}
+    order = [(launch["world"], launch["round"], launch["runs"][0]["contender"]) for launch in plan(cfg)]
+    assert order == [(1, k, c) for k in range(3) for c in ("adamw", "hf_muon")] + \
+        [(2, k, c) for k in range(3) for c in ("adamw", "hf_muon")]
+    grouped = plan({**cfg, "group_launches": True})
+    assert [(launch["world"], launch["round"], len(launch["runs"])) for launch in grouped] == \
+        [(1, 0, 2), (1, 1, 2), (1, 2, 2), (2, 0, 2), (2, 1, 2), (2, 2, 2)]
+    with pytest.raises(ValueError, match="rounds must be a positive integer"):
+        plan({**cfg, "rounds": 0})
+
+
+def test_throughput_ratio_is_taken_within_each_round():
+    """A slow round (a noisy neighbour) moves both contenders of that round, not their ratio."""
+    from hf_muon.bench.common import summarize
+    from hf_muon.bench.throughput import merge_rounds, ratios_to_adamw
+
+    def row(tokens_per_s: list[float]) -> dict:
+        return {"contender": "x", "zero_stage": None, "tokens_per_s": summarize(tokens_per_s),
+                "step_s": summarize([1 / t for t in tokens_per_s]), "optimizer_step_s": summarize([0.1]),
+                "wall_s": 1.0, "log": "log.txt"}
+
+    rounds = {"adamw": [row([100, 102]), row([50, 50]), row([98, 100])],
+              "hf_muon": [row([97, 99]), row([48.5, 48.5]), row([95, 97])],
+              "torch_muon": [row([80]), {"contender": "torch_muon", "zero_stage": None, "failed": "timeout"},
+                             row([78.4])]}
+    ratios = ratios_to_adamw(rounds)
+    assert ratios["adamw"]["median"] == 1.0
+    assert ratios["hf_muon"]["n"] == 3 and ratios["hf_muon"]["min"] == pytest.approx(0.97, abs=1e-3)
+    assert ratios["hf_muon"]["median"] == pytest.approx(0.97, abs=1e-3)
+    assert ratios["torch_muon"]["n"] == 2  # the failed round is left out, not counted as zero
+    merged = merge_rounds(rounds["torch_muon"])
+    assert merged["failed_rounds"] == [{"round": 1, "failed": "timeout", "log": None}]
+    assert merged["tokens_per_s"]["median"] == pytest.approx(79.2) and merged["rounds"] == 3
+    assert merge_rounds(rounds["hf_muon"])["tokens_per_s"]["steps"] == [97, 99, 48.5, 48.5, 95, 97]

@@ -6,6 +6,11 @@ ZeRO-3 at W=2. Each launch has a hard timeout; a run that fails or times out bec
 ``failed: <reason>`` entry and the benchmark goes on. The same model, data, seed, learning rate and
 tokens per optimizer step for every contender; the W=2 runs halve the gradient accumulation so the
 tokens per step stay the same.
+
+Launches are interleaved in ``rounds`` (AdamW, Muon, ..., AdamW, Muon, ...): a noisy neighbour that slows
+one launch lands on one round, not on one contender. A contender's ratio to AdamW is taken within each
+round (its launch against the AdamW launch next to it) and reported as the median over rounds with
+its spread.
 """
 
 from __future__ import annotations
@@ -29,18 +34,24 @@ def _run_key(contender: str, stage: int | None) -> str:
 
 
 def plan(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    """The launches: ``{"stage_world": 1 | W, "runs": [{"contender", "zero_stage"}, ...]}``. With
-    ``group_launches`` (the quick preset) all runs of a world size share one process (group)."""
+    """The launches, in the order they run: ``{"world": 1 | W, "round": k, "runs": [{"contender",
+    "zero_stage"}, ...]}``. Each of ``rounds`` (default 1) launches every run of a world size once,
+    AdamW first, so the launches of the contenders alternate. With ``group_launches`` (the quick
+    preset) all runs of a world size share one process (group) per round."""
+    rounds = cfg.get("rounds", 1)
+    if not (isinstance(rounds, int) and rounds >= 1):
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
     single = [{"contender": c, "zero_stage": None} for c in cfg["single"]]
     zero = [{"contender": c, "zero_stage": stage} for stage in cfg["zero_stages"] for c in cfg["zero"]]
     launches = []
     for world, runs in ((1, single), (cfg["world"], zero)):
         if not runs:
             continue
-        if cfg.get("group_launches"):
-            launches.append({"world": world, "runs": runs})
-        else:
-            launches += [{"world": world, "runs": [r]} for r in runs]
+        for k in range(rounds):
+            if cfg.get("group_launches"):
+                launches.append({"world": world, "round": k, "runs": runs})
+            else:
+                launches += [{"world": world, "round": k, "runs": [r]} for r in runs]
     return launches
 
 
@@ -146,22 +157,60 @@ def summarize_run(run: dict[str, Any], ranks: list[dict[str, Any]], isolated: bo
     }
 
 
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's row from its runs in each round. Throughput and step time: median (min–max)
+    of the rounds' medians, with every timed step kept; memory and traffic: the first round that
+    succeeded (the same model and data every round); a failed round is listed, not averaged in."""
+    ok = [r for r in rounds if "failed" not in r]
+    failed = [{"round": k, "failed": r["failed"], "log": r.get("log")} for k, r in enumerate(rounds) if "failed" in r]
+    if not ok:
+        return {**rounds[0], "failed_rounds": failed}
+    row = dict(ok[0])
+    for key in ("tokens_per_s", "step_s"):
+        row[key] = {**summarize([r[key]["median"] for r in ok]),
+                    "steps": [x for r in ok for x in r[key]["samples"]]}
+    steps = [x for r in ok if r.get("optimizer_step_s") for x in r["optimizer_step_s"]["samples"]]
+    row["optimizer_step_s"] = summarize(steps) if steps else None
+    row["wall_s"] = [r.get("wall_s") for r in rounds]
+    row["rounds"] = len(rounds)
+    row["logs"] = [r.get("log") for r in rounds]
+    if failed:
+        row["failed_rounds"] = failed
+    return row
+
+
+def ratios_to_adamw(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per contender, its tokens/s over AdamW's in the same round: median (min–max) over the rounds
+    both ran in."""
+    base = rounds.get("adamw", [])
+    out = {}
+    for contender, runs in rounds.items():
+        ratios = [r["tokens_per_s"]["median"] / a["tokens_per_s"]["median"] for r, a in zip(runs, base)
+                  if "failed" not in r and "failed" not in a and a["tokens_per_s"]["median"]]
+        if ratios:
+            out[contender] = summarize(ratios)
+    return out
+
+
 def run(cfg: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """All launches of ``cfg``; results keyed by setting, then contender."""
     launches = plan(cfg)
     bar = progress(sum(len(launch["runs"]) for launch in launches), "fig 2-4: training runs", "run")
-    flat: dict[str, Any] = {}
+    by_round: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for i, launch in enumerate(launches):
-        bar.set_postfix_str(", ".join(_run_key(r["contender"], r["zero_stage"]) for r in launch["runs"]))
-        flat.update(_launch(launch, cfg, out_dir, i, bar))
+        bar.set_postfix_str(f"round {launch['round'] + 1}: "
+                            + ", ".join(_run_key(r["contender"], r["zero_stage"]) for r in launch["runs"]))
+        for row in _launch(launch, cfg, out_dir, i, bar).values():
+            setting = SETTINGS[row["zero_stage"]]
+            by_round.setdefault(setting, {}).setdefault(row["contender"], []).append(row)
     bar.close()
     results: dict[str, Any] = {}
-    for key, row in flat.items():
-        setting = SETTINGS[row["zero_stage"]]
-        results.setdefault(setting, {})[row["contender"]] = row
-    for rows in results.values():
-        base = rows.get("adamw", {}).get("tokens_per_s", {}) or {}
-        for row in rows.values():
-            if base.get("median") and row.get("tokens_per_s"):
-                row["throughput_x_adamw"] = row["tokens_per_s"]["median"] / base["median"]
+    for setting, contenders in by_round.items():
+        ratios = ratios_to_adamw(contenders)
+        rows = results.setdefault(setting, {})
+        for contender, runs in contenders.items():
+            rows[contender] = merge_rounds(runs)
+            if contender in ratios:
+                rows[contender]["throughput_x_adamw"] = ratios[contender]["median"]
+                rows[contender]["throughput_x_adamw_rounds"] = ratios[contender]
     return {"config": {k: v for k, v in cfg.items() if k != "env"}, "settings": results}
