@@ -199,8 +199,7 @@ def orthogonalize(
     # Scale each matrix by a power of two to a largest entry in [0.5, 1): exact (so results are
     # unchanged), and it keeps inputs of 1e-30 or 1e30 from underflowing or overflowing in the norm
     # below or in the cast to bf16/fp16. A zero matrix stays zero.
-    exponent = torch.frexp(G.detach().abs().amax(dim=(-2, -1), keepdim=True)).exponent
-    X = torch.ldexp(G, -exponent)
+    X = (G * _power_of_two_scale(G)).to(G.dtype)  # exact: a no-op but for fp16, scaled in float32
     X = X.to(dtype) if dtype is not None else X
     method = resolve_method(X.size(-2), X.size(-1), steps, X.dtype, method, precondition)
     tall = X.size(-2) > X.size(-1)
@@ -235,6 +234,21 @@ def orthogonalize(
     if tall:
         X = X.mT
     return X.reshape(G.shape) if X.ndim != G.ndim else X
+
+
+def _power_of_two_scale(G: Tensor) -> Tensor:
+    """``2^-e`` per matrix of ``G`` (shape ``[..., 1, 1]``), ``e`` the exponent of its largest entry, in
+    G's dtype where that holds it exactly (bf16, fp32, fp64: ``G * scale`` is then one pass with no
+    float32 temporary), else (fp16, where ``2^16`` overflows) in float32. For subnormal matrices
+    ``2^-e`` would overflow: the scale stops at the largest finite power of two."""
+    G = G.detach()
+    work = torch.float64 if G.dtype == torch.float64 else torch.float32
+    # max |g| as max(amax, -amin): two fast reductions, no |G| temporary (an inf-norm is slower on CPU)
+    largest = torch.maximum(G.amax(dim=(-2, -1), keepdim=True), -G.amin(dim=(-2, -1), keepdim=True)).to(work)
+    largest_power = 1023 if work == torch.float64 else 127  # 2^this is the largest finite power of two
+    exponent = (-torch.frexp(largest).exponent).clamp(max=largest_power)
+    scale = torch.ldexp(torch.ones_like(largest), exponent)
+    return scale.to(G.dtype) if G.dtype in (torch.bfloat16, torch.float32, torch.float64) else scale
 
 
 def _aol_rescale(X: Tensor, bound: float = 1.0) -> tuple[Tensor, Tensor]:
