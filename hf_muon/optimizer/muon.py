@@ -291,7 +291,7 @@ class Muon(Optimizer):
         ns_coefficients: ``"quintic"`` (Keller Jordan) or ``"polar_express"`` (Amsel et al.).
         ns_precondition: how each matrix is scaled before the iterations: ``"frobenius"`` (its
             Frobenius norm; the default) or ``"aol"`` (Turbo-Muon's row rescaling, one iteration
-            fewer: 0.8x the products, but 1.05-1.8x the polar error of 5 Frobenius steps on
+            fewer: 0.8x the products, but 1.06-1.28x the polar error of 5 Frobenius quintic steps on
             gradient-like matrices; see :func:`hf_muon.kernels.orthogonalize`).
         ns_dtype: dtype Newton–Schulz runs in; ``None``: bfloat16 on accelerators and on CPUs with
             native bf16 matmul, float32 on other CPUs.
