@@ -238,8 +238,9 @@ def orthogonalize(
 
 def _power_of_two_scale(G: Tensor) -> Tensor:
     """``2^-e`` per matrix of ``G`` (shape ``[..., 1, 1]``), ``e`` the exponent of its largest entry, in
-    G's dtype where that holds it exactly (bf16, fp32, fp64: ``G * scale`` is then one pass with no
-    float32 temporary), else (fp16, where ``2^16`` overflows) in float32. For subnormal matrices
+    G's dtype where that holds it exactly (bf16, fp32, fp64: ``G * scale`` is then one plain multiply;
+    ``torch.ldexp(G, -e)`` took 5x as long on a bf16 batch), else (fp16, where ``2^16`` overflows) in
+    float32. For subnormal matrices
     ``2^-e`` would overflow: the scale stops at the largest finite power of two."""
     G = G.detach()
     work = torch.float64 if G.dtype == torch.float64 else torch.float32
