@@ -275,3 +275,33 @@ def test_throughput_ratio_is_taken_within_each_round():
     assert merged["failed_rounds"] == [{"round": 1, "failed": "timeout", "log": None}]
     assert merged["tokens_per_s"]["median"] == pytest.approx(79.2) and merged["rounds"] == 3
     assert merge_rounds(rounds["hf_muon"])["tokens_per_s"]["steps"] == [97, 99, 48.5, 48.5, 95, 97]
+
+
+def test_llama_sets_take_an_mlp_width():
+    from hf_muon.bench.common import llama_matrices
+
+    assert llama_matrices(512, 1, 8, 2) == [(512, 512), (128, 512), (128, 512), (512, 512), (1536, 512),
+                                            (1536, 512), (512, 1536)]
+    assert llama_matrices(512, 2, 8, 2, ff=1376)[4:7] == [(1376, 512), (1376, 512), (512, 1376)]
+
+
+def test_step_time_target_reads_every_set():
+    from hf_muon.bench.common import HF_MUON, HF_MUON_AOL, TORCH_MUON
+    from hf_muon.bench.report import MET, MISSED, _step_vs_torch_muon
+
+    def fig1(ratio_by_set, our_low_rank_error):
+        errors = lambda g, lr: {"gaussian": {"relative_error": g}, "low_rank": {"relative_error": lr}}
+        ratio = lambda r: {"median": r, "min": r - 0.01, "max": r + 0.01}
+        return {"step_time": {s: {"contenders": {HF_MUON: {"x_torch_muon": ratio(r)},
+                                                 HF_MUON_AOL: {"x_torch_muon": ratio(r - 0.1)},
+                                                 TORCH_MUON: {"x_torch_muon": ratio(1.0)}}}
+                              for s, r in ratio_by_set.items()},
+                "orthogonality": {s: {"torch.optim.Muon (quintic)": errors(0.2, 0.6),
+                                      "hf_muon shipped (quintic)": errors(0.2, our_low_rank_error),
+                                      "hf_muon AOL (quintic, bf16, 4 steps)": errors(0.2, 0.8)}
+                                  for s in ratio_by_set}}
+
+    name, _, measured, status, detail = _step_vs_torch_muon(fig1({"a": 0.7, "b": 0.72}, 0.6))
+    assert status == MET and measured == "a 0.70 x; b 0.72 x" and "AOL 4 steps" in detail and "(worse)" in detail
+    assert _step_vs_torch_muon(fig1({"a": 0.7, "b": 0.8}, 0.6))[3] == MISSED  # one set too slow
+    assert _step_vs_torch_muon(fig1({"a": 0.7, "b": 0.72}, 0.7))[3] == MISSED  # less orthogonal

@@ -188,6 +188,20 @@ def test_portable_state_round_trips_exactly_in_one_process(tmp_path):
             assert torch.equal(value, fresh_optimizer.state[b][key]), (name, key)
 
 
+def test_portable_state_keeps_no_ns_settings_so_older_checkpoints_load(tmp_path):
+    """meta.json holds only what the schedule moves (lr): a checkpoint written before ns_precondition
+    existed has the same groups, and the resuming run's Newton–Schulz settings apply."""
+    model, _ = saved_run(tmp_path)
+    with open(os.path.join(portable_dir(str(tmp_path)), "meta.json")) as f:
+        groups = json.load(f)["groups"]
+    assert all(not any(key.startswith("ns_") for key in group) for group in groups)
+    fresh = tiny_llama()
+    optimizer = Muon(fresh, lr=1e-2, ns_dtype="float32", ns_precondition="aol")
+    load_portable(optimizer, fresh, str(tmp_path))
+    assert {(g["ns_steps"], g["ns_precondition"]) for g in optimizer.param_groups} == {(4, "aol")}
+    train_steps(fresh, optimizer, 1)
+
+
 def test_a_different_split_is_refused(tmp_path):
     saved_run(tmp_path)
     model = tiny_llama()

@@ -238,6 +238,8 @@ def test_state_holds_momentum_for_muon_and_moments_for_adamw():
         (dict(ns_coefficients="cubic"), "ns_coefficients must be one of"),
         (dict(adjust_lr="spectral"), "adjust_lr must be one of"),
         (dict(ns_steps=0), "ns_steps"),
+        (dict(ns_steps=5.0), "ns_steps"),
+        (dict(ns_precondition="spectral"), "ns_precondition must be one of"),
         (dict(ns_dtype="int8"), "ns_dtype"),
         (dict(betas=(0.9, 1.0)), "betas"),
         (dict(adamw_lr=-1e-3), "adamw_lr"),
@@ -337,6 +339,95 @@ def test_orthogonalize_fn_is_injectable():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
     with pytest.raises(TypeError, match="orthogonalize_fn"):
         Muon(model, orthogonalize_fn="quintic")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("kwargs, steps, precondition", [
+    ({}, 5, "frobenius"), (dict(ns_precondition="aol"), 4, "aol"), (dict(ns_precondition="frobenius"), 5, "frobenius"),
+    (dict(ns_precondition="aol", ns_steps=5), 5, "aol"), (dict(ns_steps=3), 3, "frobenius")])
+def test_ns_steps_follow_the_preconditioner_unless_given(kwargs, steps, precondition):
+    opt = Muon(_mlp(), **kwargs)
+    muon = [g for g in opt.param_groups if g["algorithm"] == "muon"]
+    assert all(g["ns_steps"] == steps and g["ns_precondition"] == precondition for g in muon)
+    assert all(type(g["ns_steps"]) is int for g in opt.param_groups)
+    # a group's own preconditioner picks its own default steps; its explicit steps win
+    model = _mlp()
+    opt = Muon([{"params": [model[0].weight], "algorithm": "muon", "ns_precondition": "aol"},
+                {"params": [model[2].weight], "algorithm": "muon", "ns_steps": 7},
+                {"params": [model[3].weight], "algorithm": "muon"}], ns_precondition="frobenius")
+    assert [(g["ns_steps"], g["ns_precondition"]) for g in opt.param_groups] == [(4, "aol"), (7, "frobenius"),
+                                                                                  (5, "frobenius")]
+
+
+def test_aol_step_is_the_kernel_with_aol():
+    """Muon(ns_precondition="aol") runs orthogonalize(..., 4, precondition="aol"): one step matches the
+    reference update written with the kernel, and differs from the Frobenius default's."""
+    from hf_muon.kernels import orthogonalize
+
+    model = nn.Linear(24, 40, bias=False)
+    grad = torch.randn(40, 24)
+    expected = model.weight.detach() - 0.01 * lr_scale(40, 24, "match_rms_adamw") * orthogonalize(
+        grad, 4, "quintic", torch.float32, precondition="aol")
+    for precondition, same_as_expected in (("aol", True), ("frobenius", False)):
+        p = nn.Parameter(model.weight.detach().clone())
+        opt = Muon([{"params": [p], "algorithm": "muon"}], lr=0.01, weight_decay=0.0, momentum=0.0, nesterov=False,
+                   ns_dtype=torch.float32, ns_precondition=precondition)
+        p.grad = grad.clone()
+        opt.step()
+        assert torch.allclose(p.detach(), expected, atol=1e-6) == same_as_expected
+
+
+def test_orthogonalize_fn_may_take_the_preconditioner():
+    from hf_muon.kernels import orthogonalize
+
+    seen = []
+
+    def with_precondition(G, steps, coefficients, dtype, precondition="frobenius"):
+        seen.append((steps, precondition))
+        return orthogonalize(G, steps, coefficients, dtype, precondition=precondition)
+
+    model = _mlp()
+    _train(model, Muon(model, lr=1e-2, ns_precondition="aol", orthogonalize_fn=with_precondition),
+           [torch.randn(5, 8)])
+    assert seen and set(seen) == {(4, "aol")}
+    with pytest.raises(ValueError, match="takes the keyword 'precondition'"):
+        Muon(model, ns_precondition="aol", orthogonalize_fn=lambda G, steps, coefficients, dtype: G)
+
+
+def test_state_saved_before_ns_precondition_existed_loads_as_frobenius():
+    """An optimizer state_dict written before this option (groups without "ns_precondition") loads, and
+    its groups keep running what they ran: Frobenius, with the steps they saved."""
+    model = _mlp()
+    opt = Muon(model, lr=1e-2, ns_precondition="aol")
+    _train(model, opt, [torch.randn(5, 8)])
+    old = copy.deepcopy(opt.state_dict())
+    for group in old["param_groups"]:
+        del group["ns_precondition"]
+        group["ns_steps"] = 5
+    fresh = Muon(model, lr=1e-2, ns_precondition="aol")
+    fresh.load_state_dict(old)
+    assert all(g["ns_precondition"] == "frobenius" and g["ns_steps"] == 5 for g in fresh.param_groups)
+    _train(model, fresh, [torch.randn(5, 8)])
+
+
+def test_optim_args_take_ns_precondition():
+    from hf_muon.integrations.transformers import check_optim_args
+
+    assert check_optim_args("ns_precondition=aol") == {"ns_precondition": "aol"}
+    assert check_optim_args("ns_precondition=aol,ns_steps=6") == {"ns_precondition": "aol", "ns_steps": 6}
+    with pytest.raises(ValueError, match="ns_precondition must be one of"):
+        check_optim_args("ns_precondition=newton")
+
+
+def test_summary_names_the_preconditioner():
+    from hf_muon.optimizer.summary import describe_optimizer
+
+    line = describe_optimizer(Muon(_mlp(), ns_precondition="aol", ns_dtype="fp32").param_groups, resolve_ns_dtype)
+    assert "Newton–Schulz 4 quintic steps (aol) in float32" in line
 
 
 def test_zero_init_hidden_shapes_are_read_through_the_provider():

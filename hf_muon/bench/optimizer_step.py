@@ -1,18 +1,18 @@
 """Figure 1: the optimizer step on Llama-like sets of matrices, in this process.
 
-* step time of each contender (``torch.optim.AdamW`` foreach, ``hf_muon.Muon`` as shipped, the same
-  with the Newton–Schulz kernel before the Gram change, with ``ns_dtype=fp32`` where the dtype
-  policy picks bf16 on this CPU, and ``torch.optim.Muon``) on the same tensors and gradients;
+* step time of each contender (``torch.optim.AdamW`` foreach, ``hf_muon.Muon`` as shipped (Frobenius
+  normalization, 5 steps), the same with ``ns_precondition="aol"`` (4 steps), with ``ns_dtype=fp32``
+  where the dtype policy picks bf16 on this CPU, and ``torch.optim.Muon``) on the same tensors and
+  gradients, and each one's ratio to ``torch.optim.Muon``'s step, round by round;
 * Newton–Schulz FLOP/s as a fraction of this machine's matmul FLOP/s for the very products it
   executes (same shapes, same dtype, timed bare with preallocated outputs);
 * orthogonality error of each Newton–Schulz variant against the exact polar factor ``U V^T`` of an
-  SVD in float64.
+  SVD in float64, on Gaussian and on gradient-like (rank 4 plus 1e-2 noise) matrices of each set.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from collections import Counter
@@ -21,14 +21,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .common import (ADAMW, CONTENDERS, HF_MUON, HF_MUON_BEFORE, HF_MUON_FP32, TORCH_MUON, llama_matrices,
+from .common import (ADAMW, CONTENDERS, HF_MUON, HF_MUON_AOL, HF_MUON_FP32, TORCH_MUON, llama_matrices,
                      progress, summarize)
 
 NS_STEPS = 5
 
 
 def shape_set(spec: dict[str, int]) -> list[tuple[int, int]]:
-    return llama_matrices(spec["d"], spec["layers"], spec["heads"], spec["kv_heads"])
+    """The hidden matrices of a set spec: ``d``, ``layers``, ``heads``, ``kv_heads`` and optionally ``ff``."""
+    return llama_matrices(spec["d"], spec["layers"], spec["heads"], spec["kv_heads"], spec.get("ff"))
 
 
 def standard_ns_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> int:
@@ -40,7 +41,6 @@ def standard_ns_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> i
 def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.Optimizer, Callable[[], Any]]:
     """The contender ``name`` on ``params`` (all hidden matrices) and a factory of the context each of
     its steps runs in."""
-    from ..kernels import orthogonalize
     from ..optimizer.muon import Muon
 
     lr, wd = 1e-3, 0.01
@@ -51,9 +51,8 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.O
     group = [{"params": params, "algorithm": "muon"}]
     if name == HF_MUON:
         return Muon(group, lr=lr, weight_decay=wd), contextlib.nullcontext
-    if name == HF_MUON_BEFORE:  # the kernel as it was: standard iterations for every shape
-        standard = functools.partial(orthogonalize, method="standard")
-        return Muon(group, lr=lr, weight_decay=wd, orthogonalize_fn=standard), contextlib.nullcontext
+    if name == HF_MUON_AOL:
+        return Muon(group, lr=lr, weight_decay=wd, ns_precondition="aol"), contextlib.nullcontext
     if name == HF_MUON_FP32:
         return Muon(group, lr=lr, weight_decay=wd, ns_dtype=torch.float32), contextlib.nullcontext
     raise ValueError(name)
@@ -97,7 +96,13 @@ def time_steps(names: list[str], shapes: list[tuple[int, int]], repeats: int, mi
                 active.remove(name)
                 if bar is not None:
                     bar.update()
-    return {name: {**summarize(state[name]["times"]), "warmup_s": state[name]["warm"]} for name in names}
+    out = {name: {**summarize(state[name]["times"]), "warmup_s": state[name]["warm"]} for name in names}
+    if TORCH_MUON in names:  # each contender's step over torch.optim.Muon's of the same round
+        reference = state[TORCH_MUON]["times"]
+        for name in names:
+            ratios = [t / r for t, r in zip(state[name]["times"], reference)]
+            out[name]["x_torch_muon"] = summarize(ratios)
+    return out
 
 
 def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -258,11 +263,11 @@ def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torc
     name, other_name = (str(d).replace("torch.", "") for d in (shipped, other))
     variants = {
         "torch.optim.Muon (quintic, bf16, 5 steps)": torch_muon_ns,
-        f"hf_muon shipped on this CPU (quintic, {name}, Gram for wide, 5 steps)":
-            lambda g: orthogonalize(g, 5, "quintic", shipped),
-        f"hf_muon before (quintic, {name}, standard, 5 steps)":
-            lambda g: orthogonalize(g, 5, "quintic", shipped, method="standard"),
-        f"hf_muon quintic {other_name} (Gram for wide, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", other),
+        f"hf_muon shipped on this CPU (quintic, {name}, Frobenius, 5 steps)":
+            lambda g: orthogonalize(g, 5, "quintic", shipped, precondition="frobenius"),
+        f"hf_muon AOL (quintic, {name}, 4 steps)": lambda g: orthogonalize(g, 4, "quintic", shipped, precondition="aol"),
+        f"hf_muon AOL (quintic, {name}, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", shipped, precondition="aol"),
+        f"hf_muon quintic {other_name} (Frobenius, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", other),
         "hf_muon Polar Express fp32 (5 steps)": lambda g: orthogonalize(g, 5, "polar_express", f32),
         "hf_muon Polar Express fp32 (8 steps)": lambda g: orthogonalize(g, 8, "polar_express", f32),
     }
@@ -271,32 +276,50 @@ def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torc
     return variants
 
 
+ORTHO_INPUTS = ("gaussian", "low_rank")
+
+
+def ortho_input(kind: str, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    """A seeded test matrix: ``"gaussian"``, or ``"low_rank"`` (gradient-like: a rank-4 signal with
+    entries about 1 plus Gaussian noise of 1e-2, whose tiny singular values Newton–Schulz must lift)."""
+    rows, cols = shape
+    if kind == "gaussian":
+        return torch.randn(shape, generator=gen)
+    if kind == "low_rank":
+        signal = torch.randn(rows, 4, generator=gen) @ torch.randn(4, cols, generator=gen) / 2
+        return signal + 1e-2 * torch.randn(shape, generator=gen)
+    raise ValueError(f"kind must be one of {ORTHO_INPUTS}, got {kind!r}")
+
+
 def orthogonality(shapes: list[tuple[int, int]], shipped: torch.dtype) -> dict[str, Any]:
-    """Relative Frobenius error ``|O - U V^T| / |U V^T|`` and the range of O's singular values, per
-    variant, on one seeded Gaussian matrix per distinct shape (averaged with the shapes' counts)."""
+    """Per variant and input kind (:data:`ORTHO_INPUTS`): relative Frobenius error ``|O - U V^T| / |U V^T|``
+    and the range of O's singular values, on one seeded matrix per distinct shape (the error averaged
+    with the shapes' counts)."""
     gen = torch.Generator().manual_seed(2)
     counts = Counter(shapes)
-    inputs = {shape: torch.randn(shape, generator=gen) for shape in counts}
-    polar = {}
-    for shape, g in inputs.items():
-        u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
-        polar[shape] = u @ vh
-    out = {}
-    for name, fn in ns_variants(shipped).items():
-        errors, smin, smax = [], [], []
+    out: dict[str, Any] = {name: {} for name in ns_variants(shipped)}
+    for kind in ORTHO_INPUTS:
+        inputs = {shape: ortho_input(kind, shape, gen) for shape in counts}
+        polar = {}
         for shape, g in inputs.items():
-            o = fn(g).double()
-            errors += [((o - polar[shape]).norm() / polar[shape].norm()).item()] * counts[shape]
-            s = torch.linalg.svdvals(o)
-            smin.append(s.min().item())
-            smax.append(s.max().item())
-        out[name] = {"relative_error": sum(errors) / len(errors), "sigma_min": min(smin), "sigma_max": max(smax)}
+            u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+            polar[shape] = u @ vh
+        for name, fn in ns_variants(shipped).items():
+            errors, smin, smax = [], [], []
+            for shape, g in inputs.items():
+                o = fn(g).double()
+                errors += [((o - polar[shape]).norm() / polar[shape].norm()).item()] * counts[shape]
+                s = torch.linalg.svdvals(o)
+                smin.append(s.min().item())
+                smax.append(s.max().item())
+            out[name][kind] = {"relative_error": sum(errors) / len(errors), "sigma_min": min(smin),
+                               "sigma_max": max(smax)}
     return out
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Figure 1 with the preset's ``cfg``: ``sets`` (name -> d, layers, heads, kv_heads; the first is the
-    Llama-like set the targets read), ``contenders``, ``repeats``, ``min_repeats``, ``budget_s``,
+    """Figure 1 with the preset's ``cfg``: ``sets`` (name -> d, layers, heads, kv_heads, optional ff; the
+    first is the set the NS FLOP/s target reads; the step-time target reads every set), ``contenders``, ``repeats``, ``min_repeats``, ``budget_s``,
     ``max_step_s``, ``ns_sets`` (sets whose Newton–Schulz FLOP/s is measured), ``ns_repeats``."""
     sets = cfg["sets"]
     dtype = policy_ns_dtype()
@@ -308,12 +331,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     result["ns_efficiency"] = {}
     result["orthogonality"] = {}
     ns_sets = cfg.get("ns_sets", list(sets))
-    bar = progress(len(ns_sets) + 1, "fig 1: NS FLOP/s and orthogonality", "part")
+    bar = progress(len(ns_sets) + len(sets), "fig 1: NS FLOP/s and orthogonality", "part")
     for set_name in ns_sets:
         result["ns_efficiency"][set_name] = ns_efficiency(shape_set(sets[set_name]), cfg["ns_repeats"], dtype)
         bar.update()
-    first = next(iter(sets))
-    result["orthogonality"][first] = orthogonality(shape_set(sets[first]), dtype)
-    bar.update()
+    for set_name, spec in sets.items():
+        result["orthogonality"][set_name] = orthogonality(shape_set(spec), dtype)
+        bar.update()
     bar.close()
     return result

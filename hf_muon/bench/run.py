@@ -32,7 +32,8 @@ GPT2 = {"model_type": "gpt2", "hidden_size": 192, "num_layers": 4, "num_heads": 
 LLAMA_SMALL = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 QUICK: dict[str, Any] = {
-    "fig1": {"sets": {"llama-like": {"d": 128, "layers": 2, "heads": 4, "kv_heads": 2},
+    "fig1": {"sets": {"llama-ratio": {"d": 128, "layers": 1, "heads": 4, "kv_heads": 2, "ff": 344},
+                      "llama-like": {"d": 128, "layers": 2, "heads": 4, "kv_heads": 2},
                       "larger": {"d": 192, "layers": 1, "heads": 4, "kv_heads": 2}},
              "repeats": 3, "min_repeats": 2, "budget_s": 1.0, "max_step_s": 5.0, "ns_repeats": 3},
     "fig3": {"llama_like": {"d": 128, "layers": 2, "heads": 4, "kv_heads": 2}, "vocab": 258},
@@ -74,10 +75,12 @@ QUICK: dict[str, Any] = {
 }
 
 FULL: dict[str, Any] = {
-    "fig1": {"sets": {"llama-like": {"d": 512, "layers": 4, "heads": 8, "kv_heads": 2},
+    # ff=1376 is Llama's own MLP ratio (2.6875d); "llama-like" rounds 8d/3 up to 256 (1536)
+    "fig1": {"sets": {"llama-ratio": {"d": 512, "layers": 4, "heads": 8, "kv_heads": 2, "ff": 1376},
+                      "llama-like": {"d": 512, "layers": 4, "heads": 8, "kv_heads": 2},
                       "larger": {"d": 1024, "layers": 2, "heads": 16, "kv_heads": 4}},
              "repeats": 4, "min_repeats": 2, "budget_s": 30.0, "max_step_s": 120.0,
-             "ns_sets": ["llama-like"], "ns_repeats": 5},
+             "ns_sets": ["llama-ratio"], "ns_repeats": 5},
     "fig3": {"llama_like": {"d": 512, "layers": 4, "heads": 8, "kv_heads": 2}, "vocab": 258},
     "fig2_4": {"model": {"hidden_size": 192, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512},
                "seq_len": 128, "micro_batch": 16, "tokens_per_step": 65536, "warmup_steps": 1, "measured_steps": 2,

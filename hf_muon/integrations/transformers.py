@@ -32,6 +32,7 @@ OPTIM_ARGS = {
     "nesterov": lambda v: _BOOL[v.lower()],
     "ns_steps": int,
     "ns_coefficients": str,
+    "ns_precondition": str,
     "ns_dtype": str,
     "adjust_lr": str,
     "adamw_lr": float,

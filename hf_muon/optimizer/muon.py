@@ -8,6 +8,7 @@ update) and torch's own functional AdamW, so the AdamW half is bit-for-bit ``tor
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import warnings
@@ -22,7 +23,8 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
 from ..distributed.providers import FlatPartition, bind_partition, describe_providers, owned_by_a_backend
 from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, is_dtensor, local, make_exchange
-from ..kernels.newton_schulz import NS_COEFFICIENT_SETS, orthogonalize
+from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SETS, check_precondition,
+                                     default_ns_steps, orthogonalize)
 from ..models.fused import NS_SPLITS, Blocks, fused_blocks
 from .groups import build_param_groups, module_behind, validate_group
 from .param_split import MUON, shape_of
@@ -34,8 +36,19 @@ logger = logging.getLogger("hf_muon")
 
 # (blended local pieces, Newton–Schulz on whole tensors given with their indices) -> orthogonalized local pieces
 Exchange = Callable[[list[Tensor], Callable[[list[Tensor], list[int]], list[Tensor]]], list[Tensor]]
-# orthogonalize's signature: (G [..., rows, cols], steps, coefficients, dtype) -> orthogonalized G in dtype
+# orthogonalize's signature: (G [..., rows, cols], steps, coefficients, dtype) -> orthogonalized G in dtype;
+# a function that also takes the keyword ``precondition`` is given the group's ns_precondition
 OrthogonalizeFn = Callable[[Tensor, int, str, torch.dtype], Tensor]
+
+
+def takes_precondition(fn: Callable) -> bool:
+    """Whether ``fn`` (an ``orthogonalize_fn``) accepts the keyword ``precondition``; functions written
+    for the 4-argument signature ``(G, steps, coefficients, dtype)`` do not and are called without it."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C extension without a signature: the old contract
+        return False
+    return any(p.name == "precondition" or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 ADJUST_LR_RULES = ("match_rms_adamw", "original")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -101,15 +114,23 @@ def orthogonalize_all(
     orthogonalize_fn: OrthogonalizeFn | None = None, blocks: list[Blocks | None] | None = None,
     block_scales: list[list[float] | None] | None = None, weights: list[float] | None = None,
     record: Callable[[Tensor, list[float]], None] | None = None,
+    precondition: str = DEFAULT_NS_PRECONDITION,
 ) -> list[Tensor]:
     """Newton–Schulz of every update, one batched call per (shape, device), in the NS dtype.
 
-    ``orthogonalize_fn`` (default :func:`hf_muon.kernels.orthogonalize`) runs on each batch. An update
+    ``orthogonalize_fn`` (default :func:`hf_muon.kernels.orthogonalize`) runs on each batch, given
+    ``precondition`` if it takes that keyword (see :func:`takes_precondition`). An update
     with ``blocks[i]`` (a fused projection) is orthogonalized block by block and reassembled, each
     block times ``block_scales[i][k]`` (its learning-rate scale relative to the tensor's; float32 then).
     ``record(batch, row_weights)`` sees each batch Newton–Schulz returned, with a weight per matrix:
     ``weights[i]`` of its update times its block's relative scale squared (telemetry)."""
     fn = orthogonalize_fn if orthogonalize_fn is not None else orthogonalize
+    if fn is orthogonalize or takes_precondition(fn):
+        fn = functools.partial(fn, precondition=precondition)
+    elif precondition != DEFAULT_NS_PRECONDITION:
+        raise ValueError(f"ns_precondition={precondition!r} needs an orthogonalize_fn that takes the keyword "
+                         f"'precondition'; {fn!r} does not: add it or leave ns_precondition at "
+                         f"{DEFAULT_NS_PRECONDITION!r}")
     mats: list[Tensor] = []  # each update's matrices in order: one, or one per block
     mat_weights: list[float] = []
     for i, u in enumerate(updates):
@@ -174,6 +195,7 @@ def muon_update(
     ns_dtype: torch.dtype | str | None,
     adjust_lr: str,
     stacked: bool,
+    ns_precondition: str = DEFAULT_NS_PRECONDITION,
     shapes: list[tuple[int, ...]] | None = None,
     exchange: Exchange | None = None,
     orthogonalize_fn: OrthogonalizeFn | None = None,
@@ -212,7 +234,8 @@ def muon_update(
         watch = Stopwatch(whole[0].device) if figures is not None and whole else None
         out = orthogonalize_all(whole, stacked, ns_steps, ns_coefficients, ns_dtype, orthogonalize_fn,
                                 [blocks[i] for i in which], [relative[i] for i in which],
-                                [(lr * scales[i]) ** 2 for i in which], figures.add_batch if figures else None)
+                                [(lr * scales[i]) ** 2 for i in which], figures.add_batch if figures else None,
+                                ns_precondition)
         if watch is not None:
             figures.watches.append(watch.stop())
         return out
@@ -262,8 +285,14 @@ class Muon(Optimizer):
         weight_decay: decoupled weight decay, as in AdamW.
         momentum: Muon's momentum, in ``[0, 1)``.
         nesterov: use the Nesterov blend of gradient and momentum.
-        ns_steps: Newton–Schulz iterations.
+        ns_steps: Newton–Schulz iterations; ``None``: the preconditioner's default (5 for
+            ``"frobenius"``, 4 for ``"aol"``), resolved when the group is added so groups hold ints.
+            An explicit value is always used.
         ns_coefficients: ``"quintic"`` (Keller Jordan) or ``"polar_express"`` (Amsel et al.).
+        ns_precondition: how each matrix is scaled before the iterations: ``"frobenius"`` (its
+            Frobenius norm; the default) or ``"aol"`` (Turbo-Muon's row rescaling, one iteration
+            fewer: 0.8x the products, but 1.06-1.28x the polar error of 5 Frobenius quintic steps on
+            gradient-like matrices; see :func:`hf_muon.kernels.orthogonalize`).
         ns_dtype: dtype Newton–Schulz runs in; ``None``: bfloat16 on accelerators and on CPUs with
             native bf16 matmul, float32 on other CPUs.
         adjust_lr: ``"match_rms_adamw"`` or ``"original"``.
@@ -280,8 +309,9 @@ class Muon(Optimizer):
             default world. FSDP2 ``DTensor``s use their mesh's group, and flat partitions a backend
             hands over (DeepSpeed ZeRO) that backend's group.
         orthogonalize_fn: Newton–Schulz with :func:`hf_muon.kernels.orthogonalize`'s signature
-            ``(G, steps, coefficients, dtype) -> Tensor``; ``None``: that function. The owner plan
-            still balances the default kernel's cost.
+            ``(G, steps, coefficients, dtype) -> Tensor``; ``None``: that function. It is also given
+            ``precondition=`` if it takes that keyword (needed for ``ns_precondition="aol"``). The
+            owner plan still balances the default kernel's cost.
         ns_split: how fused projections (GPT-2's ``c_attn``, Phi-3's ``qkv_proj`` and ``gate_up_proj``,
             GPT-NeoX's ``query_key_value``, ...) are orthogonalized: ``"block"`` each logical matrix
             (q, k, v, gate, up) on its own, ``"head"`` attention projections per head (fused or not),
@@ -305,7 +335,7 @@ class Muon(Optimizer):
         weight_decay: float = 0.01,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         ns_coefficients: str = "quintic",
         ns_dtype: torch.dtype | str | None = None,
         adjust_lr: str = "match_rms_adamw",
@@ -325,11 +355,12 @@ class Muon(Optimizer):
         ns_split: str = "block",
         telemetry: bool = True,
         qk_clip_tau: float | None = None,
+        ns_precondition: str = DEFAULT_NS_PRECONDITION,
     ) -> None:
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
             ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, betas=betas, eps=eps,
-            foreach=foreach, stacked=False, ns_split=ns_split,
+            foreach=foreach, stacked=False, ns_split=ns_split, ns_precondition=ns_precondition,
         )
         self._check_hyperparameters(defaults)
         if adamw_lr is not None and not adamw_lr >= 0:
@@ -370,6 +401,12 @@ class Muon(Optimizer):
         # Attributes, not group keys: a process group or a function would not survive state_dict().
         self.process_group = process_group
         self.orthogonalize_fn = orthogonalize_fn
+        if orthogonalize_fn is not None and not takes_precondition(orthogonalize_fn):
+            aol = sorted({g["ns_precondition"] for g in self.param_groups} - {DEFAULT_NS_PRECONDITION})
+            if aol:
+                raise ValueError(f"ns_precondition={aol[0]!r} needs an orthogonalize_fn that takes the keyword "
+                                 f"'precondition'; {orthogonalize_fn!r} has the 4-argument signature: add the "
+                                 f"keyword or leave ns_precondition at {DEFAULT_NS_PRECONDITION!r}")
         self.skipped_steps = 0
         self.exchange_stats = ExchangeStats()
         self.telemetry_enabled = telemetry
@@ -405,8 +442,10 @@ class Muon(Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {h['weight_decay']}")
         if not 0 <= h["momentum"] < 1:
             raise ValueError(f"momentum must be in [0, 1), got {h['momentum']}")
-        if not (isinstance(h["ns_steps"], int) and 1 <= h["ns_steps"] < 100):
-            raise ValueError(f"ns_steps must be an integer in [1, 100), got {h['ns_steps']!r}")
+        if h["ns_steps"] is not None and not (isinstance(h["ns_steps"], int) and 1 <= h["ns_steps"] < 100):
+            raise ValueError(f"ns_steps must be an integer in [1, 100) or None (the preconditioner's default), "
+                             f"got {h['ns_steps']!r}")
+        check_precondition(h.get("ns_precondition", DEFAULT_NS_PRECONDITION))
         if h["ns_coefficients"] not in NS_COEFFICIENT_SETS:
             raise ValueError(f"ns_coefficients must be one of {NS_COEFFICIENT_SETS}, got {h['ns_coefficients']!r}")
         if h.get("ns_split", "block") not in NS_SPLITS:
@@ -432,6 +471,8 @@ class Muon(Optimizer):
         group = self.param_groups[-1]
         validate_group(group)
         self._check_hyperparameters(group)
+        if group["ns_steps"] is None:  # resolved once: the owner plan and checkpoints see an int
+            group["ns_steps"] = default_ns_steps(group["ns_precondition"])
         group["matrices_index"] = len(self._group_tensors)
         self._group_tensors.append(list(group["params"]))
         self._group_tensor_ids.append({id(t) for t in group["params"]})
@@ -535,6 +576,9 @@ class Muon(Optimizer):
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) holds other parameters "
                                  f"than when saved (e.g. {', '.join(changed) or 'another order'}): another model or split")
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # written before ns_precondition existed: those runs divided by the Frobenius norm
+            group.setdefault("ns_precondition", "frobenius")
 
     def _grads_finite(self) -> bool:
         """Refuse unsupported gradients up front, then check all are finite with one host sync."""
@@ -682,7 +726,7 @@ class Muon(Optimizer):
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"], stacked=group["stacked"],
-            shapes=shapes, exchange=exchange, orthogonalize_fn=self.orthogonalize_fn, blocks=blocks,
+            ns_precondition=group["ns_precondition"], shapes=shapes, exchange=exchange, orthogonalize_fn=self.orthogonalize_fn, blocks=blocks,
             figures=figures,
         )
         if figures is not None:

@@ -29,7 +29,7 @@ def _rates(values: list[float]) -> str:
 
 def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any) -> str:
     """``Muon 14 tensors (0.05M params), AdamW 7 tensors (0.02M); Newton–Schulz 5 quintic steps
-    in bfloat16 (standard 10, gram 4); lr 0.01 (Muon, match_rms_adamw), 0.001 (AdamW)``.
+    (frobenius) in bfloat16 (standard 10, gram 4); lr 0.01 (Muon, match_rms_adamw), 0.001 (AdamW)``.
 
     ``resolve_dtype(ns_dtype, device)`` is the optimizer's dtype policy (``muon.resolve_ns_dtype``).
     """
@@ -50,14 +50,16 @@ def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any) -
             dtype = resolve_dtype(group["ns_dtype"], p.device if p.device.type != "meta" else None)
             rows = shape[-2] if group.get("stacked") else shape[0]
             cols = shape[-1] if group.get("stacked") else math.prod(shape[1:])
-            methods[resolve_method(rows, cols, group["ns_steps"], dtype)] += 1
-            ns.add((group["ns_steps"], group["ns_coefficients"], str(dtype).replace("torch.", "")))
+            precondition = group.get("ns_precondition", "frobenius")
+            methods[resolve_method(rows, cols, group["ns_steps"], dtype, precondition=precondition)] += 1
+            ns.add((group["ns_steps"], group["ns_coefficients"], precondition, str(dtype).replace("torch.", "")))
             adjust.add(group["adjust_lr"])
     (m_tensors, m_params), (a_tensors, a_params) = counts[MUON], counts["adamw"]
     parts = [f"Muon {m_tensors} tensors ({_human(m_params)} params), "
              f"AdamW {a_tensors} tensors ({_human(a_params)} params)"]
     if ns:
-        setups = "; ".join(f"{steps} {coefficients} steps in {dtype}" for steps, coefficients, dtype in sorted(ns))
+        setups = "; ".join(f"{steps} {coefficients} steps ({precondition}) in {dtype}"
+                           for steps, coefficients, precondition, dtype in sorted(ns))
         how = ", ".join(f"{method} {count}" for method, count in sorted(methods.items()))
         parts.append(f"Newton–Schulz {setups} ({how})")
     parts.append(f"lr {_rates(lrs[MUON])} (Muon, {'/'.join(sorted(adjust)) or '-'}), {_rates(lrs['adamw'])} (AdamW)")
