@@ -265,16 +265,19 @@ def check_same_bits(results):
 def test_overlapped_exchange_matches_synchronous_under_ddp_and_fsdp2(tmp_path, model):
     results = run_overlap_script(tmp_path, "--backends", "ddp,fsdp2", "--model", model)
     check_same_bits(results)
-    assert any(r["some_rank_holds_nothing"] for r in results.values()) or model != "block"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["block", "gpt2"])
-def test_overlapped_exchange_matches_synchronous_under_zero(tmp_path, model):
+@pytest.mark.parametrize("model, stages", [("block", "zero1,zero2,zero3"), ("gpt2", "zero3")])
+def test_overlapped_exchange_matches_synchronous_under_zero(tmp_path, model, stages):
+    """ZeRO-1/2 split the block model's flat partition inside matrices (some straddle both ranks, others
+    lie wholly on one: the other rank holds nothing of them); GPT-2's fused blocks under ZeRO-3. (Under
+    ZeRO-1/2 no GPT-2 matrix straddles the two partitions here: nothing would travel.)"""
     pytest.importorskip("deepspeed")
-    results = run_overlap_script(tmp_path, "--backends", "zero1,zero2,zero3", "--model", model, deepspeed=True)
+    results = run_overlap_script(tmp_path, "--backends", stages, "--model", model, deepspeed=True)
     check_same_bits(results)
-    assert any(r["some_rank_holds_nothing"] for case, r in results.items() if not case.startswith("zero3")), results
+    if model == "block":
+        assert all(r["some_rank_holds_nothing"] for case, r in results.items() if not case.startswith("zero3"))
 
 
 @pytest.mark.slow
