@@ -602,7 +602,7 @@ class Muon(Optimizer):
         if self.distributed:
             exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
                                      self.bucket_bytes, self.comm_dtype, plan_ns_dtype(group["ns_dtype"]),
-                                     self.process_group, self.overlap_exchange)
+                                     self.process_group, overlap=self.overlap_exchange)
         replicated = exchange is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._apply_muon(
             group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
