@@ -4,16 +4,18 @@
 
 Trains a Llama-like model (d=512, 4 layers, GQA 8/2, ff 1376: 11.1 M Muon parameters) with
 ``hf_muon.Muon`` under ZeRO-3 (gloo, ``DS_ACCELERATOR=cpu``), switching ``overlap_exchange`` step by
-step (overlapped, synchronous, overlapped, ...), and reports per rank, medians over ``--steps`` steps
-of each mode after two warm-up steps of each:
+step through three modes: ``overlap`` (the default: pipelined, at least 4 buckets), ``sync`` (one
+bucket at a time; here one bucket, as before the overlap existed) and ``split`` (synchronous on the
+overlapped mode's buckets: the schedule is then the only difference). Per rank and mode, medians
+over ``--steps`` steps after two warm-up steps of each:
 
-* step: wall time of ``Muon.step`` (the Muon half with its exchange, and the AdamW half), per mode;
-* NS: time inside Newton–Schulz during the synchronous steps (nothing else runs then);
-* exchange: the same exchange (same layouts, owners and buckets) run with a no-op Newton–Schulz on
-  random pieces between steps, per mode (synchronous: today's one bucket; overlapped: its buckets);
+* step: wall time of ``Muon.step`` (the Muon half with its exchange, and the AdamW half);
+* NS: time inside Newton–Schulz during that step (in the synchronous modes nothing else runs then);
+* exchange: the exchange that step ran (same layouts, owners, buckets, schedule) run again between
+  steps on random pieces with a no-op Newton–Schulz;
 
 so that the overlapped step reads against ``max(NS, exchange)`` (perfect overlap) and ``NS +
-exchange`` (none). It also probes whether gloo's asynchronous ``all_to_all_single`` runs while this
+exchange`` (none) of the ``split`` mode, and against today's ``sync`` step. It also probes whether gloo's asynchronous ``all_to_all_single`` runs while this
 rank computes: a matmul loop alone, the all-to-all alone, and both together.
 """
 
@@ -75,9 +77,10 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_muon import Muon
-    from hf_muon.distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
+    from hf_muon.distributed import sharding
+    from hf_muon.distributed.plan import PIPELINE_BUCKETS
     from hf_muon.kernels import orthogonalize
-    from hf_muon.optimizer.muon import plan_ns_dtype, resolve_ns_dtype
+    from hf_muon.optimizer.muon import resolve_ns_dtype
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,12 +116,25 @@ def worker(args: argparse.Namespace) -> None:
     opt.step = timed_step
     ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(rank))
 
-    def exchange_alone(overlap: bool) -> float:
-        """The exchange this mode ran in its last step, on random pieces of the same sizes, NS a no-op."""
+    # Each mode: (overlap_exchange, fewest buckets). "split" is the synchronous schedule on the
+    # overlapped mode's buckets: against it the overlap is the schedule alone; against "sync" (today's
+    # one bucket when everything fits) it is the whole change.
+    modes = {"overlap": (True, PIPELINE_BUCKETS), "sync": (False, 1), "split": (False, PIPELINE_BUCKETS)}
+    fewest = [1]
+    real_plan = sharding.plan_buckets
+    planned: dict[str, list[int]] = {}
+
+    def plan(layouts, owners, world_, ns_steps, itemsize, cap, min_buckets, ns_dtype):
+        buckets = real_plan(layouts, owners, world_, ns_steps, itemsize, cap, fewest[0], ns_dtype)
+        planned[mode] = planned.get(mode, []) + [len(buckets)]
+        return buckets
+
+    sharding.plan_buckets = plan
+
+    def exchange_alone() -> float:
+        """The exchange the last step ran (same layouts, owners, buckets, schedule), on random pieces, NS a no-op."""
         total = 0.0
         for key, (exchange, _, _) in opt._partition_exchanges.items():
-            if key[-1] != overlap:
-                continue
             pieces = [torch.randn(length) for _, length in opt._partitions[key[:3]][1].spans]
             dist.barrier()
             start = time.perf_counter()
@@ -126,41 +142,30 @@ def worker(args: argparse.Namespace) -> None:
             total += time.perf_counter() - start
         return total
 
-    def buckets(overlap: bool) -> list[int]:
-        """How many buckets each partition's exchange cuts in this mode (the plan ``exchange_over`` makes)."""
-        counts = []
-        for _, part in opt._partitions.values():
-            layouts = list(part.layouts)
-            owners = assign_owners(layouts, part.world, 5, plan_ns_dtype(None))
-            counts.append(len(plan_buckets(layouts, owners, part.world, 5, 4, opt.bucket_bytes,
-                                           PIPELINE_BUCKETS if overlap else 1, plan_ns_dtype(None))))
-        return counts
-
     rows = []
-    for step in range(2 * (2 + args.steps)):
-        overlap = step % 2 == 0
-        opt.overlap_exchange = overlap
+    names = list(modes)
+    for step in range(len(modes) * (2 + args.steps)):
+        mode = names[step % len(modes)]
+        opt.overlap_exchange, fewest[0] = modes[mode]
+        opt._partition_exchanges.clear()  # rebuilt (and re-planned) for this mode on the step
+        planned.pop(mode, None)
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         ns_seconds[0] = step_seconds[0] = 0.0
         moved = opt.exchange_stats.bytes_sent + opt.exchange_stats.bytes_received
         dist.barrier()  # both ranks enter the step together: its time is this rank's, not the other's lag
         engine.step()
-        row = {"overlap": overlap, "step_s": step_seconds[0], "ns_s": ns_seconds[0],
+        row = {"mode": mode, "step_s": step_seconds[0], "ns_s": ns_seconds[0],
                "bytes": opt.exchange_stats.bytes_sent + opt.exchange_stats.bytes_received - moved}
-        row["exchange_s"] = exchange_alone(overlap)
-        if step >= 4:
+        row["exchange_s"] = exchange_alone()
+        if step >= 2 * len(modes):
             rows.append(row)
+    sharding.plan_buckets = real_plan
 
-    def median(key: str, overlap: bool) -> float:
-        return statistics.median(r[key] for r in rows if r["overlap"] == overlap)
-
-    result = {
-        "step_overlap_s": median("step_s", True), "step_sync_s": median("step_s", False),
-        "ns_sync_s": median("ns_s", False), "ns_overlap_s": median("ns_s", True),
-        "exchange_sync_s": median("exchange_s", False), "exchange_overlap_s": median("exchange_s", True),
-        "exchange_bytes_per_step": median("bytes", True), "ns_dtype": str(resolve_ns_dtype(None, torch.device("cpu"))),
-        "probe": probe, "buckets_overlap": buckets(True), "buckets_sync": buckets(False),
-    }
+    result = {"ns_dtype": str(resolve_ns_dtype(None, torch.device("cpu"))), "probe": probe}
+    for mode in modes:
+        for key in ("step_s", "ns_s", "exchange_s", "bytes"):
+            result[f"{mode}/{key}"] = statistics.median(r[key] for r in rows if r["mode"] == mode)
+        result[f"{mode}/buckets"] = planned[mode]
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -198,18 +203,17 @@ def main() -> None:
         data = json.loads(Path(out).read_text())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1))
-    print(f"ZeRO-3, 2 ranks, d={D}, {LAYERS} layers, ff={FF}; medians of {args.steps} steps per mode (ms)")
-    print(f"{'rank':<5} {'step overlap':>13} {'step sync':>10} {'NS':>7} {'exchange':>9} {'max(NS,ex)':>11} "
-          f"{'NS+ex':>7} {'ex. overlap':>12} {'NS overlap':>11}")
+    print(f"ZeRO-3, 2 ranks, d={D}, {LAYERS} layers, ff={FF}; medians of {args.steps} steps per mode, ms per rank")
+    print(f"{'rank':<5} {'mode':<8} {'buckets':>8} {'step':>7} {'NS':>7} {'exchange':>9} {'max(NS,ex)':>11} {'NS+ex':>7}")
     for rank, r in enumerate(data["per_rank"]):
-        ns, ex = r["ns_sync_s"], r["exchange_sync_s"]
-        print(f"{rank:<5} {1e3 * r['step_overlap_s']:>13.1f} {1e3 * r['step_sync_s']:>10.1f} {1e3 * ns:>7.1f} "
-              f"{1e3 * ex:>9.1f} {1e3 * max(ns, ex):>11.1f} {1e3 * (ns + ex):>7.1f} "
-              f"{1e3 * r['exchange_overlap_s']:>12.1f} {1e3 * r['ns_overlap_s']:>11.1f}")
+        for mode in ("overlap", "split", "sync"):
+            ns, ex = r[f"{mode}/ns_s"], r[f"{mode}/exchange_s"]
+            print(f"{rank:<5} {mode:<8} {str(r[f'{mode}/buckets']):>8} {1e3 * r[f'{mode}/step_s']:>7.1f} {1e3 * ns:>7.1f} "
+                  f"{1e3 * ex:>9.1f} {1e3 * max(ns, ex):>11.1f} {1e3 * (ns + ex):>7.1f}")
     first = data["per_rank"][0]
-    print(f"Newton–Schulz dtype: {first['ns_dtype']}; exchange MB per rank per step: "
-          f"{first['exchange_bytes_per_step'] / 1e6:.1f}; buckets overlapped {first['buckets_overlap']}, "
-          f"synchronous {first['buckets_sync']}")
+    print("NS: time inside Newton–Schulz during the step (under 'overlap' the collectives run meanwhile); "
+          "exchange: alone, NS a no-op")
+    print(f"Newton–Schulz dtype: {first['ns_dtype']}; exchange MB per rank per step: {first['overlap/bytes'] / 1e6:.1f}")
     for rank, r in enumerate(data["per_rank"]):
         p = r["probe"]
         print(f"probe rank {rank}: matmuls {1e3 * p['compute_s']:.1f} ms, all_to_all of {p['all_to_all_mb']:.1f} MB "
