@@ -528,7 +528,7 @@ def test_process_group_is_used_for_replicated_parameters(gloo_world_of_one, monk
     group = dist.new_group([0])
     seen = []
     real = muon.make_exchange
-    monkeypatch.setattr(muon, "make_exchange", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(muon, "make_exchange", lambda *a, **k: seen.append(a[-1]) or real(*a, **k))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     reference = copy.deepcopy(model)

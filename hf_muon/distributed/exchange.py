@@ -1,10 +1,16 @@
 """Gather each tensor's pieces on its owner, orthogonalize there once, send the pieces back.
 
 Only the Nesterov-blended update travels (momentum never leaves its rank). Tensors are processed
-in buckets whose full size stays under ``bucket_bytes``, so the owner's temporary memory is
-bounded; each bucket is two ``all_to_all_single`` calls (pieces in, results out), issued by every
-rank in the same order. Every rank derives all split sizes from the shared layouts, so nothing
-but the data itself is communicated.
+in buckets (``plan.plan_buckets``) whose whole size stays under ``bucket_bytes``, so the owner's
+temporary memory is bounded; each bucket is two ``all_to_all_single`` calls (pieces in, results
+out), issued by every rank in the same order. Every rank derives all split sizes from the shared
+layouts, so nothing but the data itself is communicated.
+
+Overlapped (the default), the buckets form a pipeline of asynchronous collectives: bucket k+1's
+pieces travel while bucket k is orthogonalized and bucket k-1's results return, so at most three
+buckets are in flight. Synchronous, each bucket's pieces go out, are orthogonalized and come back
+before the next bucket starts. Both run the same collectives on the same data in the same order;
+only when each is waited for differs.
 """
 
 from __future__ import annotations
@@ -54,41 +60,76 @@ def _length(layout: TensorLayout, rank: int) -> int:
     return end - start
 
 
-def _all_to_all(chunks: list[list[Tensor]], recv_sizes: list[int], dtype: torch.dtype, device, group, stats) -> list[Tensor]:
-    """Send ``chunks[d]`` (concatenated) to rank ``d``; return what each rank sent here, split by source."""
+class _Transfer:
+    """One ``all_to_all_single``, issued and maybe still in flight. Holds its buffers until waited for
+    (an asynchronous collective reads and writes them meanwhile)."""
+
+    def __init__(self, work: dist.Work | None, send: Tensor, recv: Tensor, recv_sizes: list[int]) -> None:
+        self._work, self._send, self._recv, self._recv_sizes = work, send, recv, recv_sizes
+
+    def wait(self) -> list[Tensor]:
+        """What each rank sent here, split by source (blocks until it has arrived)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._send = None  # the send buffer may go once the collective is done
+        return list(self._recv.split(self._recv_sizes))
+
+
+def _start_all_to_all(chunks: list[list[Tensor]], recv_sizes: list[int], dtype: torch.dtype, device, group,
+                      stats: ExchangeStats, async_op: bool) -> _Transfer:
+    """Send ``chunks[d]`` (concatenated) to rank ``d``; what each rank sends here arrives in the transfer."""
     send_sizes = [sum(c.numel() for c in per_dest) for per_dest in chunks]
     flat = [c.reshape(-1).to(dtype) for per_dest in chunks for c in per_dest]
     send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=async_op)
     stats.bytes_sent += send.numel() * send.element_size()
     stats.bytes_received += recv.numel() * recv.element_size()
-    return list(recv.split(recv_sizes))
+    return _Transfer(work if async_op else None, send, recv, recv_sizes)
 
 
-def _gather_bucket(
+def _nothing_received(world: int, dtype: torch.dtype, device) -> _Transfer:
+    """The transfer of a bucket no rank has to send anything for: no collective at all."""
+    return _Transfer(None, torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device),
+                     [0] * world)
+
+
+def _travels(layouts: list[TensorLayout], owners: list[int], bucket: list[int], world: int) -> bool:
+    """Whether some rank holds a piece of a tensor in ``bucket`` that it does not own. Read from the
+    shared layouts, so every rank agrees whether the bucket's collective runs."""
+    return any(layouts[i].holds(r) and r != owners[i] for i in bucket for r in range(world))
+
+
+def _start_gather(
     bucket: list[int], pieces: list[Tensor], layouts: list[TensorLayout], owners: list[int], *,
     group: dist.ProcessGroup | None, rank: int, world: int, stats: ExchangeStats, dtype: torch.dtype, device,
-) -> dict[int, Tensor]:
-    """One all-to-all: every piece of the tensors in ``bucket`` travels to its owner. Returns the whole
-    tensors (global shapes, the pieces' dtype) this rank owns, by index. The one place a tensor's
-    pieces are assembled: the exchange and checkpoints both gather through it."""
-    needs_gather = [i for i in bucket if not layouts[i].holds_all(owners[i])]
-    send = [[] for _ in range(world)]
+    async_op: bool = False,
+) -> _Transfer:
+    """Send every piece of the tensors in ``bucket`` to its owner (an owner that already holds all of a
+    tensor needs nothing)."""
+    send: list[list[Tensor]] = [[] for _ in range(world)]
     recv_sizes = [0] * world
-    for i in needs_gather:
+    for i in bucket:
         owner, layout = owners[i], layouts[i]
+        if layout.holds_all(owner):
+            continue
         if owner != rank and layout.holds(rank):
             send[owner].append(pieces[i])
         if owner == rank:
             for src in range(world):
                 if src != rank:
                     recv_sizes[src] += _length(layout, src)
-    received = (
-        _all_to_all(send, recv_sizes, dtype, device, group, stats)
-        if any(layouts[i].holds(r) and r != owners[i] for i in needs_gather for r in range(world))
-        else [torch.empty(0, dtype=dtype, device=device)] * world
-    )
+    if not _travels(layouts, owners, [i for i in bucket if not layouts[i].holds_all(owners[i])], world):
+        return _nothing_received(world, dtype, device)
+    return _start_all_to_all(send, recv_sizes, dtype, device, group, stats, async_op)
+
+
+def _assemble(bucket: list[int], pieces: list[Tensor], layouts: list[TensorLayout], owners: list[int],
+              received: list[Tensor], *, rank: int, world: int, device) -> dict[int, Tensor]:
+    """The whole tensors (global shapes, the pieces' dtype) this rank owns in ``bucket``, by index, from
+    its own pieces and ``received`` (the bucket's gather, by source rank). The one place a tensor's
+    pieces are put together: the exchange and checkpoints both go through it."""
     offsets = [0] * world
     wholes: dict[int, Tensor] = {}
     for i in bucket:
@@ -110,6 +151,17 @@ def _gather_bucket(
     return wholes
 
 
+def _gather_bucket(
+    bucket: list[int], pieces: list[Tensor], layouts: list[TensorLayout], owners: list[int], *,
+    group: dist.ProcessGroup | None, rank: int, world: int, stats: ExchangeStats, dtype: torch.dtype, device,
+) -> dict[int, Tensor]:
+    """One blocking all-to-all: every piece of the tensors in ``bucket`` travels to its owner. Returns
+    the whole tensors this rank owns, by index (see :func:`_assemble`)."""
+    transfer = _start_gather(bucket, pieces, layouts, owners, group=group, rank=rank, world=world, stats=stats,
+                             dtype=dtype, device=device)
+    return _assemble(bucket, pieces, layouts, owners, transfer.wait(), rank=rank, world=world, device=device)
+
+
 def gather_on_owners(
     pieces: list[Tensor], layouts: list[TensorLayout], owners: list[int], *, group: dist.ProcessGroup | None,
     rank: int, world: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, stats: ExchangeStats | None = None,
@@ -125,59 +177,122 @@ def gather_on_owners(
                                   stats=stats, dtype=dtype, device=device).items()
 
 
+def _start_scatter(
+    bucket: list[int], ortho: dict[int, Tensor], layouts: list[TensorLayout], owners: list[int],
+    results: list[Tensor | None], *, group: dist.ProcessGroup | None, rank: int, world: int, stats: ExchangeStats,
+    dtype: torch.dtype, device, async_op: bool,
+) -> _Transfer:
+    """Send each orthogonalized tensor this rank owns in ``bucket`` (``ortho``) in pieces to every
+    other rank that holds a piece, and keep this rank's own piece in ``results``."""
+    send: list[list[Tensor]] = [[] for _ in range(world)]
+    recv_sizes = [0] * world
+    for i in bucket:
+        owner, layout = owners[i], layouts[i]
+        if owner == rank:
+            flat = ortho[i].reshape(-1)
+            for dst in range(world):
+                if dst != rank and layout.holds(dst):
+                    send[dst].append(flat[_span(layout, dst)])
+            results[i] = flat[_span(layout, rank)]
+        elif layout.holds(rank):
+            recv_sizes[owner] += _length(layout, rank)
+    if not _travels(layouts, owners, bucket, world):
+        return _nothing_received(world, dtype, device)
+    return _start_all_to_all(send, recv_sizes, dtype, device, group, stats, async_op)
+
+
+def _finish_scatter(bucket: list[int], transfer: _Transfer, layouts: list[TensorLayout], owners: list[int],
+                    results: list[Tensor | None], rank: int) -> None:
+    """Wait for ``bucket``'s results and put this rank's pieces of the tensors others own in ``results``."""
+    received = transfer.wait()
+    offsets = [0] * len(received)
+    for i in bucket:
+        owner, layout = owners[i], layouts[i]
+        if owner != rank and layout.holds(rank):
+            n = _length(layout, rank)
+            results[i] = received[owner][offsets[owner]: offsets[owner] + n]
+            offsets[owner] += n
+
+
+def _wait_quietly(transfers: list[_Transfer | None]) -> None:
+    """After a failure: let the collectives this rank already issued finish before their buffers go.
+    Every other rank issues them too (the order is the same everywhere), or fails and exits, which
+    ends them with an error; either way the wait ends (at the latest at the group's timeout). Their
+    own errors are dropped: the first failure is the one to report."""
+    for transfer in transfers:
+        if transfer is not None:
+            try:
+                transfer.wait()
+            except Exception:  # noqa: BLE001 - secondary to the error being raised
+                pass
+
+
 def orthogonalize_distributed(
     pieces: list[Tensor],
     layouts: list[TensorLayout],
     owners: list[int],
     orthogonalize_fn: Callable[[list[Tensor], list[int]], list[Tensor]],
     *,
+    buckets: list[list[int]],
     group: dist.ProcessGroup | None,
     rank: int,
     world: int,
     stats: ExchangeStats,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     comm_dtype: torch.dtype | None = None,
+    overlap: bool = True,
 ) -> list[Tensor]:
     """Orthogonalize tensors whose pieces are spread over ranks; return this rank's piece of each result.
 
     Args:
         pieces: this rank's flat piece of each tensor (``layouts[i].ranges[rank]`` long, maybe empty).
-        layouts, owners: the same lists on every rank.
+        layouts, owners, buckets: the same lists on every rank (``buckets``: from ``plan.plan_buckets``).
         orthogonalize_fn: maps whole tensors (global shapes) and their indices in ``pieces`` to their
             orthogonalized updates (the indices say which tensor each is: fused ones are cut in blocks).
         comm_dtype: dtype on the wire (e.g. ``torch.bfloat16`` halves traffic); default: the pieces'.
+        overlap: pipeline the buckets with asynchronous collectives (bucket k+1's pieces travel while
+            bucket k is orthogonalized and bucket k-1's results return); ``False``: one bucket at a
+            time, each collective waited for at once. The results are the same bit for bit.
+
+    If ``orthogonalize_fn`` raises, the collectives already issued are waited for and the error
+    propagates; the other ranks' next collective then fails when this process exits (or at the
+    group's timeout), as in the synchronous exchange.
     """
     dtype = comm_dtype or (pieces[0].dtype if pieces else torch.float32)
     device = pieces[0].device if pieces else torch.device("cpu")
     results: list[Tensor | None] = [None] * len(pieces)
-    for bucket in _buckets(layouts, torch.empty(0, dtype=dtype).element_size(), bucket_bytes):
-        # 1. pieces -> owners (an owner that already holds all of a tensor needs nothing)
-        wholes = _gather_bucket(bucket, pieces, layouts, owners, group=group, rank=rank, world=world,
-                                stats=stats, dtype=dtype, device=device)
-        owned = list(wholes)
-        # 2. one Newton–Schulz per owned tensor (batched by shape inside orthogonalize_fn)
-        ortho = dict(zip(owned, orthogonalize_fn([wholes[i] for i in owned], owned))) if owned else {}
-        stats.tensors_orthogonalized += len(owned)
-        # 3. results -> every rank that holds a piece
-        send = [[] for _ in range(world)]
-        recv_sizes = [0] * world
-        for i in bucket:
-            owner, layout = owners[i], layouts[i]
-            if owner == rank:
-                flat = ortho[i].reshape(-1)
-                for dst in range(world):
-                    if dst != rank and layout.holds(dst):
-                        send[dst].append(flat[_span(layout, dst)])
-                results[i] = flat[_span(layout, rank)]
-            elif layout.holds(rank):
-                recv_sizes[owner] += _length(layout, rank)
-        if any(layouts[i].holds(r) and r != owners[i] for i in bucket for r in range(world)):
-            received = _all_to_all(send, recv_sizes, dtype, device, group, stats)
-            offsets = [0] * world
-            for i in bucket:
-                owner, layout = owners[i], layouts[i]
-                if owner != rank and layout.holds(rank):
-                    n = _length(layout, rank)
-                    results[i] = received[owner][offsets[owner]: offsets[owner] + n]
-                    offsets[owner] += n
+    where = dict(group=group, rank=rank, world=world, stats=stats, dtype=dtype, device=device, async_op=overlap)
+
+    def gather(k: int) -> _Transfer | None:
+        return _start_gather(buckets[k], pieces, layouts, owners, **where) if k < len(buckets) else None
+
+    # In flight while bucket k is orthogonalized: bucket k+1's gather and bucket k-1's scatter (with
+    # bucket k's wholes, three buckets' worth of buffers). Issue order, the same on every rank:
+    # gather 0 | gather 1, scatter 0 | gather 2, scatter 1 | ... (synchronous: gather k, scatter k).
+    incoming = gather(0) if overlap else None
+    returning: tuple[list[int], _Transfer] | None = None
+    try:
+        for k, bucket in enumerate(buckets):
+            if not overlap:
+                incoming = gather(k)
+            received = incoming.wait()
+            incoming = gather(k + 1) if overlap else None
+            wholes = _assemble(bucket, pieces, layouts, owners, received, rank=rank, world=world, device=device)
+            del received
+            owned = list(wholes)
+            ortho = dict(zip(owned, orthogonalize_fn([wholes[i] for i in owned], owned))) if owned else {}
+            del wholes
+            stats.tensors_orthogonalized += len(owned)
+            scatter = _start_scatter(bucket, ortho, layouts, owners, results, **where)
+            if returning is not None:
+                _finish_scatter(*returning, layouts, owners, results, rank)
+            returning = (bucket, scatter)
+            if not overlap:
+                _finish_scatter(*returning, layouts, owners, results, rank)
+                returning = None
+        if returning is not None:
+            _finish_scatter(*returning, layouts, owners, results, rank)
+            returning = None
+    except Exception:  # Ctrl-C does not wait
+        _wait_quietly([incoming, returning[1] if returning is not None else None])
+        raise
     return [r if r is not None else torch.empty(0, dtype=dtype, device=device) for r in results]

@@ -47,3 +47,59 @@ def ns_load(layouts: list[TensorLayout], owners: list[int], world: int, ns_steps
     for layout, owner in zip(layouts, owners):
         load[owner] += layout.ns_flops(ns_steps, ns_dtype)
     return load
+
+
+# How many buckets the overlapped exchange aims for. With n buckets, bucket k+1's pieces travel while
+# bucket k is orthogonalized and bucket k-1's results return, so only the first gather and the last
+# scatter (about 1/n of the traffic) are not hidden behind Newton–Schulz. More buckets hide more but
+# split each shape's Newton–Schulz batch n ways (one layer in four per bucket at n = 4 on a 4-layer
+# model) and add two collectives' latency each: 4 hides 3/4 of the traffic and keeps batches of
+# several layers on deeper models.
+PIPELINE_BUCKETS = 4
+
+
+def _split_by_cost(items: list[int], costs: list[float], parts: int) -> list[list[int]]:
+    """``items`` cut, in order, into ``parts`` runs of about equal total cost (some may be empty)."""
+    total = sum(costs[i] for i in items)
+    runs: list[list[int]] = [[] for _ in range(parts)]
+    before = 0.0
+    for i in items:
+        # each item goes to the run its cost midpoint falls in
+        middle = (before + costs[i] / 2) / total if total > 0 else 0.0
+        runs[min(parts - 1, int(middle * parts))].append(i)
+        before += costs[i]
+    return runs
+
+
+def plan_buckets(layouts: list[TensorLayout], owners: list[int], world: int, ns_steps: int, itemsize: int,
+                 bucket_bytes: int, min_buckets: int = 1, ns_dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """The exchange's buckets: tensor indices (ascending), processed one bucket after another.
+
+    Each owner's tensors, in layout order (layer by layer), are cut into runs of equal Newton–Schulz
+    cost, and bucket ``b`` takes every owner's run ``b``: every bucket then holds about ``1/n`` of each
+    owner's work and a similar mix of shapes, so no rank idles while another orthogonalizes, and the
+    bytes a bucket moves follow its work. ``n`` is at least ``min_buckets`` (``PIPELINE_BUCKETS`` for
+    the overlapped exchange; 1 for the synchronous one: one bucket when everything fits) and grows
+    until every bucket's whole tensors (``itemsize`` bytes per element) fit ``bucket_bytes``, or each
+    owner's run is a single tensor (a tensor larger than the cap then has a bucket to itself among
+    other owners' single tensors). Depends only on its arguments: every rank plans the same buckets.
+    """
+    if bucket_bytes <= 0 or min_buckets < 1:
+        raise ValueError(f"bucket_bytes and min_buckets must be > 0 and >= 1, got {bucket_bytes} and {min_buckets}")
+    if not layouts:
+        return []
+    costs = [layout.ns_flops(ns_steps, ns_dtype) for layout in layouts]
+    sizes = [layout.numel * itemsize for layout in layouts]
+    per_owner = [[i for i in range(len(layouts)) if owners[i] == r] for r in range(world)]
+    most = max(len(mine) for mine in per_owner)
+    parts = min(most, max(min_buckets, -(-sum(sizes) // bucket_bytes)))
+    while True:
+        buckets: list[list[int]] = [[] for _ in range(parts)]
+        for mine in per_owner:
+            runs = [[i] for i in mine] if parts >= most else _split_by_cost(mine, costs, parts)
+            for bucket, run in zip(buckets, runs):
+                bucket.extend(run)
+        buckets = [sorted(bucket) for bucket in buckets if bucket]
+        if parts >= most or all(sum(sizes[i] for i in bucket) <= bucket_bytes for bucket in buckets):
+            return buckets
+        parts += 1

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
 from .layout import TensorLayout, replicated, row_sharded
-from .plan import assign_owners
+from .plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 
 
 def _dtensor_cls():
@@ -82,17 +82,26 @@ def exchange_over(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     comm_dtype: torch.dtype | None = None,
     ns_dtype: torch.dtype = torch.float32,
+    overlap: bool = True,
 ) -> Callable:
     """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``.
 
-    ``ns_dtype`` is the Newton–Schulz dtype the owner plan costs; it must be the same on every rank."""
+    ``ns_dtype`` is the Newton–Schulz dtype the owner plan and the buckets cost; it must be the same
+    on every rank. ``overlap``: pipeline the buckets (at least ``PIPELINE_BUCKETS`` of them) with
+    asynchronous collectives; ``False``: one bucket at a time, as few buckets as ``bucket_bytes`` allows."""
     owners = assign_owners(layouts, world, ns_steps, ns_dtype)
+    itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else None
+    buckets: dict[int, list[list[int]]] = {}  # by bytes per element on the wire
 
     def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor], list[int]], list[Tensor]]) -> list[Tensor]:
         pieces = [b.reshape(-1) for b in blended]
+        size = itemsize or (blended[0].element_size() if blended else 4)
+        if size not in buckets:  # the layouts never change: plan once per wire dtype size
+            buckets[size] = plan_buckets(layouts, owners, world, ns_steps, size, bucket_bytes,
+                                         PIPELINE_BUCKETS if overlap else 1, ns_dtype)
         out = orthogonalize_distributed(
-            pieces, layouts, owners, newton_schulz, group=group, rank=rank, world=world, stats=stats,
-            bucket_bytes=bucket_bytes, comm_dtype=comm_dtype,
+            pieces, layouts, owners, newton_schulz, buckets=buckets[size], group=group, rank=rank, world=world,
+            stats=stats, comm_dtype=comm_dtype, overlap=overlap,
         )
         return [o.view(b.shape) for o, b in zip(out, blended)]
 
@@ -108,16 +117,18 @@ def make_exchange(
     comm_dtype: torch.dtype | None = None,
     ns_dtype: torch.dtype = torch.float32,
     process_group: dist.ProcessGroup | None = None,
+    overlap: bool = True,
 ) -> Callable | None:
     """The exchange for whole or FSDP2-sharded ``params``, or ``None`` in a single process.
 
-    Replicated ``params`` are exchanged over ``process_group`` (default: the world)."""
+    Replicated ``params`` are exchanged over ``process_group`` (default: the world); ``overlap``: see
+    :func:`exchange_over`."""
     where = process_group_of(params, process_group)
     if where is None:
         return None
     group, rank, world = where
     return exchange_over(layouts_of(params, stacked, world), group, rank, world, ns_steps, stats, bucket_bytes,
-                         comm_dtype, ns_dtype)
+                         comm_dtype, ns_dtype, overlap)
 
 
 def all_ranks_agree(flag: bool, params: list[Tensor], process_group: dist.ProcessGroup | None = None) -> bool:

@@ -40,6 +40,7 @@ OPTIM_ARGS = {
     "force_adamw": str,
     "ns_split": str,
     "telemetry": lambda v: _BOOL[v.lower()],
+    "overlap_exchange": lambda v: _BOOL[v.lower()],
     "qk_clip_tau": float,
     # not Muon settings: the Trainer attaches these features when training begins
     "adaptive_lr": lambda v: _BOOL[v.lower()],

@@ -305,6 +305,11 @@ class Muon(Optimizer):
             FSDP2 ``DTensor``s, orthogonalize each matrix once on an owner rank and share the result.
         bucket_bytes: cap on the whole-matrix bytes one exchange round gathers on owners.
         comm_dtype: dtype of updates on the wire (``torch.bfloat16`` halves the exchange traffic).
+        overlap_exchange: pipeline the exchange with asynchronous collectives: its buckets (at least
+            four, balanced in Newton–Schulz work per owner) travel to their owners while the previous
+            bucket is orthogonalized and the one before returns, so traffic hides behind Newton–Schulz.
+            ``False``: one bucket at a time (as few as ``bucket_bytes`` allows), the traffic and the
+            work one after the other. Same results; the attribute may be changed between steps.
         process_group: the ranks replicated (DDP) parameters are exchanged over; ``None``: the
             default world. FSDP2 ``DTensor``s use their mesh's group, and flat partitions a backend
             hands over (DeepSpeed ZeRO) that backend's group.
@@ -350,6 +355,7 @@ class Muon(Optimizer):
         distributed: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         comm_dtype: torch.dtype | None = None,
+        overlap_exchange: bool = True,
         process_group: dist.ProcessGroup | None = None,
         orthogonalize_fn: OrthogonalizeFn | None = None,
         ns_split: str = "block",
@@ -398,6 +404,7 @@ class Muon(Optimizer):
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
         self.comm_dtype = comm_dtype
+        self.overlap_exchange = bool(overlap_exchange)
         # Attributes, not group keys: a process group or a function would not survive state_dict().
         self.process_group = process_group
         self.orthogonalize_fn = orthogonalize_fn
@@ -639,7 +646,7 @@ class Muon(Optimizer):
         if self.distributed:
             exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
                                      self.bucket_bytes, self.comm_dtype, plan_ns_dtype(group["ns_dtype"]),
-                                     self.process_group)
+                                     self.process_group, overlap=self.overlap_exchange)
         replicated = exchange is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._apply_muon(
             group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
@@ -664,11 +671,12 @@ class Muon(Optimizer):
 
             # The layout never changes, so neither do the owner plan, the shapes and the blocks: read them once.
             plan_dtype = plan_ns_dtype(group["ns_dtype"])
-            plan_key = (*key, group["ns_steps"], plan_dtype)
+            plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange)
             if plan_key not in self._partition_exchanges:
                 self._partition_exchanges[plan_key] = (
                     exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
-                                  self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype),
+                                  self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype,
+                                  self.overlap_exchange),
                     [layout.shape for layout in part.layouts], self._partition_blocks(group, part))
             exchange, shapes, blocks = self._partition_exchanges[plan_key]
             self._apply_muon(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]), shapes,
