@@ -109,10 +109,13 @@ def plot_plans(plans: list[Plan], path: str) -> None:
         "exchange": ([p.times.exchange for p in plans], ":", "C2"),
         "element-wise (Muon)": ([p.times.elementwise for p in plans], ":", "C4"),
         "AdamW": ([p.times.adamw for p in plans], "-", "C3"),
+        "backend collectives (both; not in the step)": ([p.backend_seconds for p in plans], "-.", "0.5"),
     }
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, (values, style, color) in series.items():
-        ax.plot(worlds, [v * 1e3 for v in values], style, color=color, marker="o", label=label)
+        if any(v > 0 for v in values):  # a log axis cannot show zeros (no backend traffic at W = 1)
+            ax.plot(worlds, [v * 1e3 if v > 0 else float("nan") for v in values], style, color=color, marker="o",
+                    label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks (GPUs)")
