@@ -98,7 +98,7 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    from .planner.presets import ACCELERATORS, CPU, INTERCONNECTS
+    from .planner.presets import ACCELERATORS, CPU, INTERCONNECTS, LOOPBACK
 
     p.add_argument("model", help="a shipped preset (llama-3-8b, mixtral-8x7b), a model folder or config.json, "
                                  "or a model id already in the local Hugging Face cache (nothing is downloaded)")
@@ -106,7 +106,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", required=True, type=_world_sizes, help="world sizes, comma-separated (e.g. 64,1024)")
     p.add_argument("--accelerator", default="h100-sxm", choices=sorted(ACCELERATORS) + [CPU],
                    help="cpu: this machine's matmul rate and memory bandwidth, measured now on the plan's shapes")
-    p.add_argument("--interconnect", default="ib-400g", choices=sorted(INTERCONNECTS))
+    p.add_argument("--interconnect", default="ib-400g", choices=sorted(INTERCONNECTS) + [LOOPBACK],
+                   help="loopback: 2 gloo processes on this machine, measured now (to check a CPU run)")
     p.add_argument("--peak_tflops", type=float, help="override the accelerator's matmul rate (TFLOP/s)")
     p.add_argument("--matmul_efficiency", type=float,
                    help="fraction of the matmul rate Newton–Schulz reaches (default 0.6; 0.94 of a measured rate)")

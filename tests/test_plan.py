@@ -336,3 +336,16 @@ def test_cli_json_on_a_config_file(tmp_path):
     assert [d["world"] for d in data] == [2, 64]
     assert data[0]["ns_flops"]["mean"] * 2 == LLAMA_NS
     assert math.isclose(data[1]["ns_flops"]["max"], gram(64, 176))
+
+
+@pytest.mark.slow
+def test_loopback_link_is_measured():
+    from hf_muon.planner.presets import interconnect
+
+    link = interconnect("loopback")
+    assert link.bandwidth > 0 and link.latency > 0 and link.name.startswith("loopback (measured")
+    from hf_muon.planner.cost import plan, shapes_tensors
+    from hf_muon.planner.presets import ACCELERATORS
+
+    p = plan(shapes_tensors([(64, 64), (64, 64)]), "zero3", 2, ACCELERATORS["h100-sxm"], link, ns_dtype=FP32)
+    assert p.times.exchange == pytest.approx(2 * (2048 * 4 / link.bandwidth + link.latency))

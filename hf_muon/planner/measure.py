@@ -68,3 +68,50 @@ def measure_cpu(shapes: list[tuple[int, int]], steps: int, dtype: torch.dtype) -
     rate = matmul_rate(shapes, steps, dtype)
     name = f"cpu (measured: {rate / 1e9:.0f} GFLOP/s {str(dtype).replace('torch.', '')})"
     return Accelerator(name, rate, rate, memory_bandwidth(), 0.0, measured=True)
+
+
+def _loopback_worker(rank: int, world: int, store_path: str, sizes: list[int], repeats: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        seconds = []
+        for size in sizes:  # elements of fp32 sent to each other rank, as the exchange's all-to-all does
+            send, recv = torch.ones(size * world), torch.empty(size * world)
+            dist.all_to_all_single(recv, send)  # warm-up: connection set-up
+            best = float("inf")
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_to_all_single(recv, send)
+                best = min(best, time.perf_counter() - start)
+            seconds.append(best)
+        if rank == 0:
+            torch.save(seconds, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_loopback(timeout_s: float = 120.0) -> tuple[float, float]:
+    """``(bytes/s, seconds per call)`` of a 2-process gloo ``all_to_all_single`` on this machine: the
+    link a CPU run of the exchange (``torchrun --nproc_per_node 2``) crosses. Bandwidth from a 32 MiB
+    exchange per rank, latency from an 8-byte one."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    small, big = 2, 2**23  # fp32 elements per peer
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "seconds.pt")
+        context = mp.start_processes(_loopback_worker, args=(2, store, [small, big], 5, out), nprocs=2,
+                                     join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise RuntimeError(f"measuring the gloo loopback link took over {timeout_s:.0f} s; "
+                                   "give --link_gbs and --latency_us instead")
+        latency, big_s = torch.load(out)
+    return 4 * big / max(big_s - latency, 1e-9), latency

@@ -49,6 +49,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     "a100": Accelerator("a100", 312 * T, 19.5 * T, 2.039e12, 80 * G),
 }
 CPU = "cpu"  # measured at plan time
+LOOPBACK = "loopback"  # 2-process gloo on this machine, measured at plan time (CPU validation runs)
 
 INTERCONNECTS: dict[str, Interconnect] = {
     # InfiniBand NDR 400 Gb/s, one HCA per GPU (DGX H100: 8x ConnectX-7 400G): 50 GB/s per GPU per
@@ -87,11 +88,19 @@ def with_peak(device: Accelerator, peak_tflops: float | None) -> Accelerator:
 
 
 def interconnect(name: str, link_gbs: float | None = None, latency_us: float | None = None) -> Interconnect:
-    """The preset ``name``, its bandwidth overridden by ``link_gbs`` (GB/s per direction) if given."""
-    if name not in INTERCONNECTS:
-        raise ValueError(f"unknown interconnect {name!r}; choose one of {sorted(INTERCONNECTS)} "
+    """The preset ``name``, its bandwidth overridden by ``link_gbs`` (GB/s per direction) if given.
+    ``"loopback"`` is measured now (2 gloo processes on this machine, a few seconds)."""
+    if name == LOOPBACK:
+        from .measure import measure_loopback
+
+        bandwidth, latency = measure_loopback()
+        preset = Interconnect(f"loopback (measured: {bandwidth / G:.2f} GB/s, {latency * 1e6:.0f} us)", bandwidth,
+                              latency)
+    elif name not in INTERCONNECTS:
+        raise ValueError(f"unknown interconnect {name!r}; choose one of {sorted(INTERCONNECTS) + [LOOPBACK]} "
                          "(or give --link_gbs with any of them)")
-    preset = INTERCONNECTS[name]
+    else:
+        preset = INTERCONNECTS[name]
     if link_gbs is not None:
         if link_gbs <= 0:
             raise ValueError(f"--link_gbs must be > 0, got {link_gbs}")
