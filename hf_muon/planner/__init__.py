@@ -48,7 +48,8 @@ def plan_tensors(tensors: ModelTensors, layout: str, worlds: list[int], accelera
     ns_steps, comm_dtype, bucket_bytes, param_bytes, grad_bytes, matmul_efficiency).
 
     ``accelerator_name="cpu"`` measures this machine's matmul rate on the plan's own products and its
-    memory bandwidth first (a few seconds)."""
+    memory bandwidth first (a few seconds): with all of torch's threads for one rank, with one thread
+    per rank for several (as ``torchrun --nproc_per_node N`` runs them on one machine)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
     for world in worlds:
@@ -57,13 +58,24 @@ def plan_tensors(tensors: ModelTensors, layout: str, worlds: list[int], accelera
     device = accelerator(accelerator_name)
     link = interconnect(interconnect_name, link_gbs, latency_us)
     run_dtype, plan_dtype = _ns_dtypes(ns_dtype, device == CPU)
-    if device == CPU:
-        from .measure import measure_cpu
+    measured: dict[int, Accelerator] = {}
+    plans = []
+    for world in worlds:
+        if device == CPU:
+            # CPU ranks share this machine: torchrun gives each of several local ranks one thread
+            # (OMP_NUM_THREADS=1), a single process keeps torch's default.
+            threads = 1 if world > 1 else torch.get_num_threads()
+            if threads not in measured:
+                from .measure import measure_cpu
 
-        device = measure_cpu(_matrix_shapes(tensors), options.get("ns_steps", 5), run_dtype)
-    device = with_peak(device, peak_tflops)
-    return [plan(tensors, layout, world, device, link, ns_dtype=run_dtype, plan_dtype=plan_dtype, **options)
-            for world in worlds]
+                measured[threads] = measure_cpu(_matrix_shapes(tensors), options.get("ns_steps", 5), run_dtype,
+                                                threads)
+            rank_device = measured[threads]
+        else:
+            rank_device = device
+        plans.append(plan(tensors, layout, world, with_peak(rank_device, peak_tflops), link, ns_dtype=run_dtype,
+                          plan_dtype=plan_dtype, **options))
+    return plans
 
 
 def plan_model(model: str, layout: str, worlds: list[int], accelerator_name: str = "h100-sxm",

@@ -171,7 +171,9 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
     if not tensors.muon_tensors:
         raise ValueError(f"{tensors.name}: no tensor gets Muon, nothing to plan")
-    efficiency = (MEASURED_MATMUL_EFFICIENCY if device.measured else MATMUL_EFFICIENCY) if matmul_efficiency is None else matmul_efficiency
+    efficiency = matmul_efficiency
+    if efficiency is None:
+        efficiency = MEASURED_MATMUL_EFFICIENCY if device.measured else MATMUL_EFFICIENCY
     if not 0 < efficiency <= 1:
         raise ValueError(f"matmul efficiency must be in (0, 1], got {efficiency}")
     comm_itemsize = torch.empty(0, dtype=comm_dtype).element_size()
@@ -221,7 +223,10 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     if max(buffers) > 0.25 * device.memory_bytes > 0:
         notes.append(f"the exchange's temporary buffers reach {max(buffers) / 2**30:.1f} GiB on one rank "
                      f"({100 * max(buffers) / device.memory_bytes:.0f}% of a {device.name}'s memory); "
-                     "lower Muon's bucket_bytes or use a sharded layout")
+                     "lower Muon's bucket_bytes (they scale with it) or use a sharded layout")
+    if layout == "ddp" and world > 2:
+        notes.append(f"under DDP each owner sends its whole result to each of the {world - 1} other ranks in the "
+                     "all-to-all (not a ring all-gather): its link carries (W-1) times the tensors it owns")
     dtype_name = str(ns_dtype).replace("torch.", "")
     return Plan(
         model=tensors.name, layout=layout, world=world, accelerator=device.name, interconnect=link.name,

@@ -62,12 +62,20 @@ def memory_bandwidth(elements: int = 2**25, repeats: int = 5) -> float:
     return 3 * 4 * elements / _best_time(lambda: a.add_(b), repeats)
 
 
-def measure_cpu(shapes: list[tuple[int, int]], steps: int, dtype: torch.dtype) -> Accelerator:
+def measure_cpu(shapes: list[tuple[int, int]], steps: int, dtype: torch.dtype, threads: int | None = None) -> Accelerator:
     """The ``cpu`` accelerator: matmul rate on ``shapes``' products in ``dtype`` (stored for both dtypes'
-    fields: a plan reads only its Newton–Schulz dtype's) and memory bandwidth, both measured now."""
-    rate = matmul_rate(shapes, steps, dtype)
-    name = f"cpu (measured: {rate / 1e9:.0f} GFLOP/s {str(dtype).replace('torch.', '')})"
-    return Accelerator(name, rate, rate, memory_bandwidth(), 0.0, measured=True)
+    fields: a plan reads only its Newton–Schulz dtype's) and memory bandwidth, both measured now with
+    ``threads`` threads (default: torch's current number)."""
+    previous = torch.get_num_threads()
+    threads = threads or previous
+    torch.set_num_threads(threads)
+    try:
+        rate, bandwidth = matmul_rate(shapes, steps, dtype), memory_bandwidth()
+    finally:
+        torch.set_num_threads(previous)
+    name = (f"cpu (measured, {threads} thread{'s' if threads > 1 else ''}: {rate / 1e9:.0f} GFLOP/s "
+            f"{str(dtype).replace('torch.', '')})")
+    return Accelerator(name, rate, rate, bandwidth, 0.0, measured=True)
 
 
 def _loopback_worker(rank: int, world: int, store_path: str, sizes: list[int], repeats: int, out_path: str) -> None:

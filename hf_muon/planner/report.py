@@ -21,6 +21,10 @@ def bytes_text(x: float) -> str:
     return f"{x:.0f} B"
 
 
+def params_text(x: float) -> str:
+    return f"{x / 1e9:.2f} B" if x >= 1e8 else f"{x / 1e6:.2f} M"
+
+
 def seconds_text(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.1f} s"
 
@@ -36,9 +40,9 @@ def plan_text(plan: Plan) -> str:
     """One plan as tables: per-rank figures (min/mean/max over ranks) and the projected step time."""
     p = plan
     lines = [
-        f"{p.model}: {p.layout}, {p.world} ranks of {p.accelerator} over {p.interconnect}",
-        f"Muon: {p.muon_tensors} tensors ({p.matrices} matrices, {p.muon_params / 1e9:.2f} B parameters); "
-        f"AdamW: {p.adamw_params / 1e9:.2f} B parameters",
+        f"{p.model}: {p.layout}, {p.world} rank{'s' if p.world > 1 else ''} of {p.accelerator} over {p.interconnect}",
+        f"Muon: {p.muon_tensors} tensors ({p.matrices} matrices, {params_text(p.muon_params)} parameters); "
+        f"AdamW: {params_text(p.adamw_params)} parameters",
         f"Newton–Schulz: {p.ns_dtype}, {p.ns_steps} steps at {p.matmul_efficiency:.0%} of the matmul rate; "
         f"{p.busy_ranks} of {p.world} ranks own matrices; exchange in {p.comm_dtype}: {p.buckets} buckets, "
         f"{p.exchange_collectives} all-to-all calls",
