@@ -18,16 +18,11 @@ import sys
 
 def _build_model(path: str):
     """Build the model a config describes, on the meta device (no weights read, no memory used)."""
-    import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    architectures = getattr(config, "architectures", None) or []
-    model_cls = getattr(transformers, architectures[0], None) if architectures else None
-    with torch.device("meta"):
-        if model_cls is not None:
-            return model_cls._from_config(config)
-        return transformers.AutoModel.from_config(config)
+    from .planner.model import meta_model
+
+    return meta_model(transformers.AutoConfig.from_pretrained(path))
 
 
 def _human(n: float) -> str:
