@@ -3,6 +3,8 @@
     hf-muon inspect MODEL_DIR_OR_CONFIG   which parameters get Muon or AdamW, and optimizer-state bytes
     hf-muon run SCRIPT [ARGS...]          same as ``python -m hf_muon.run SCRIPT [ARGS...]``
     hf-muon bench [--quick] [...]         Muon vs AdamW, torch.optim.Muon and DeepSpeed's Muon on this machine
+    hf-muon plan MODEL --layout L --world N[,N...]   projected cost of Muon on a cluster (FLOPs, traffic,
+                                          memory, step time per rank), from the config alone
     hf-muon convert-checkpoint CKPT OUT   add hf_muon_state/ to a checkpoint that lacks it (resumable under any layout);
                                           --to deepspeed-universal: a DeepSpeed universal checkpoint instead
 """
@@ -16,16 +18,11 @@ import sys
 
 def _build_model(path: str):
     """Build the model a config describes, on the meta device (no weights read, no memory used)."""
-    import torch
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path)
-    architectures = getattr(config, "architectures", None) or []
-    model_cls = getattr(transformers, architectures[0], None) if architectures else None
-    with torch.device("meta"):
-        if model_cls is not None:
-            return model_cls._from_config(config)
-        return transformers.AutoModel.from_config(config)
+    from .planner.model import meta_model
+
+    return meta_model(transformers.AutoConfig.from_pretrained(path))
 
 
 def _human(n: float) -> str:
@@ -85,6 +82,64 @@ def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | N
     return "\n".join(lines)
 
 
+def _world_sizes(text: str) -> list[int]:
+    try:
+        worlds = [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--world takes integers separated by commas (e.g. 64,1024), got {text!r}")
+    if not worlds or min(worlds) < 1:
+        raise argparse.ArgumentTypeError(f"--world sizes must be >= 1, got {text!r}")
+    return worlds
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    from .planner.presets import ACCELERATORS, CPU, INTERCONNECTS, LOOPBACK
+
+    p.add_argument("model", help="a shipped preset (llama-3-8b, mixtral-8x7b), a model folder or config.json, "
+                                 "or a model id already in the local Hugging Face cache (nothing is downloaded)")
+    p.add_argument("--layout", required=True, choices=["ddp", "fsdp2", "zero1", "zero2", "zero3"])
+    p.add_argument("--world", required=True, type=_world_sizes, help="world sizes, comma-separated (e.g. 64,1024)")
+    p.add_argument("--accelerator", default="h100-sxm", choices=sorted(ACCELERATORS) + [CPU],
+                   help="cpu: this machine's matmul rate and memory bandwidth, measured now on the plan's shapes")
+    p.add_argument("--interconnect", default="ib-400g", choices=sorted(INTERCONNECTS) + [LOOPBACK],
+                   help="loopback: 2 gloo processes on this machine, measured now (to check a CPU run)")
+    p.add_argument("--peak_tflops", type=float, help="override the accelerator's matmul rate (TFLOP/s)")
+    p.add_argument("--matmul_efficiency", type=float,
+                   help="fraction of the matmul rate Newton–Schulz reaches (default 0.6; 0.94 of a measured rate)")
+    p.add_argument("--link_gbs", type=float, help="override the link bandwidth (GB/s per GPU per direction)")
+    p.add_argument("--latency_us", type=float, help="override the per-collective latency (microseconds)")
+    p.add_argument("--ns_dtype", choices=["bf16", "fp16", "fp32"], help="as Muon's ns_dtype (default: its policy)")
+    p.add_argument("--ns_steps", type=int, default=5)
+    p.add_argument("--comm_dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the exchange's dtype on the wire (Muon's comm_dtype; default: the fp32 updates)")
+    p.add_argument("--bucket_mib", type=float, default=256, help="Muon's bucket_bytes in MiB (default 256)")
+    p.add_argument("--ns_split", default="block", choices=["block", "head", "none"], help="as Muon's ns_split")
+    p.add_argument("--json", action="store_true", help="print the plans as JSON instead of tables")
+    p.add_argument("--plot", metavar="FILE", help="save a plot of the projected step time against the world size")
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    import torch
+
+    from .planner import plan_model
+    from .planner.report import plans_json, plans_text, plot_plans
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    try:
+        plans = plan_model(args.model, args.layout, args.world, args.accelerator, args.interconnect,
+                           ns_split=args.ns_split, peak_tflops=args.peak_tflops, link_gbs=args.link_gbs,
+                           latency_us=args.latency_us, ns_dtype=args.ns_dtype, ns_steps=args.ns_steps,
+                           comm_dtype=dtypes[args.comm_dtype], bucket_bytes=int(args.bucket_mib * 2**20),
+                           matmul_efficiency=args.matmul_efficiency)
+    except ValueError as error:
+        parser.exit(2, f"hf-muon plan: {error}\n")
+    print(plans_json(plans) if args.json else plans_text(plans))
+    if args.plot:
+        plot_plans(plans, args.plot)
+        if not args.json:
+            print(f"\nplot: {args.plot}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``hf-muon`` console script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -111,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
 
     add_bench_arguments(sub.add_parser("bench", help="benchmark: step time, throughput, memory, traffic, quality; "
                                                      "writes results.json, report.md and PNGs"))
+    _add_plan_arguments(sub.add_parser("plan", help="what Muon will cost per rank on a cluster: Newton–Schulz FLOPs, "
+                                                    "exchange and backend traffic, memory, projected step time"))
     p_convert = sub.add_parser("convert-checkpoint", help="copy a Trainer checkpoint written without hf_muon_state/ "
                                                           "(older hf_muon) and add it, so any layout resumes from it")
     p_convert.add_argument("checkpoint", help="the checkpoint folder (checkpoint-N)")
@@ -129,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
             print(convert(args.checkpoint, args.output))
         except CheckpointError as error:
             parser.exit(2, f"hf-muon convert-checkpoint: {error}\n")
+        return
+    if args.command == "plan":
+        _plan(parser, args)
         return
     if args.command == "inspect":
         if not os.path.exists(args.model):

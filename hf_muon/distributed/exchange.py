@@ -296,3 +296,68 @@ def orthogonalize_distributed(
         _wait_quietly([incoming, returning[1] if returning is not None else None])
         raise
     return [r if r is not None else torch.empty(0, dtype=dtype, device=device) for r in results]
+
+
+@dataclass
+class ExchangeVolume:
+    """What :func:`orthogonalize_distributed` moves per step, per rank, without running it.
+
+    ``bytes_sent``/``bytes_received``: per rank, what its ``ExchangeStats`` would add in one step.
+    ``collective_bytes``: per ``all_to_all_single`` call, in issue order, the most any one rank sends
+    or receives in it (the slowest rank sets the call's time). ``peak_buffer_bytes``: per rank, the
+    largest sum over one bucket of the buffers the exchange allocates (send/receive buffers, the
+    owner's assembled tensors and its results): the owner's temporary memory."""
+
+    bytes_sent: list[int]
+    bytes_received: list[int]
+    collective_bytes: list[int]
+    peak_buffer_bytes: list[int]
+    buckets: int
+
+
+def exchange_volume(layouts: list[TensorLayout], owners: list[int], world: int, comm_itemsize: int,
+                    piece_itemsize: int = 4, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExchangeVolume:
+    """Sizes per rank of one :func:`orthogonalize_distributed` call, from the layouts and owners alone.
+
+    Follows the exchange's own rules: the same buckets (``_buckets`` at ``comm_itemsize``), a gather
+    only for tensors whose owner lacks some of them, results sent back to every other holder, and a
+    collective only where some rank other than the owner holds a piece. Pure arithmetic (numpy over
+    ranks), so it runs for thousands of ranks; tests check it against ``ExchangeStats``."""
+    import numpy as np
+
+    if len(owners) != len(layouts):
+        raise ValueError(f"{len(owners)} owners for {len(layouts)} layouts")
+    sent, received = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
+    peak = np.zeros(world, dtype=np.int64)
+    collectives: list[int] = []
+    buckets = _buckets(layouts, comm_itemsize, bucket_bytes)
+    for bucket in buckets:
+        gather_out, gather_in = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
+        back_out, back_in = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
+        owned = np.zeros(world, dtype=np.int64)  # elements of whole tensors the owner allocates
+        gathers = returns = False
+        for i in bucket:
+            layout, owner = layouts[i], owners[i]
+            lengths = np.fromiter((end - start for start, end in layout.ranges), dtype=np.int64, count=world)
+            others = lengths.copy()
+            others[owner] = 0
+            elsewhere = int(others.sum())
+            if elsewhere == 0:
+                continue  # held by its owner alone: no traffic
+            returns = True
+            back_in += others
+            back_out[owner] += elsewhere
+            owned[owner] += layout.numel  # the orthogonalized result
+            if not layout.holds_all(owner):
+                gathers = True
+                gather_out += others
+                gather_in[owner] += elsewhere
+                owned[owner] += layout.numel  # the assembled whole
+        for used, out, into in ((gathers, gather_out, gather_in), (returns, back_out, back_in)):
+            if used:
+                collectives.append(int(np.maximum(out, into).max()) * comm_itemsize)
+                sent += out * comm_itemsize
+                received += into * comm_itemsize
+        bucket_buffers = (gather_out + gather_in + back_out + back_in) * comm_itemsize + owned * piece_itemsize
+        peak = np.maximum(peak, bucket_buffers)
+    return ExchangeVolume(sent.tolist(), received.tolist(), collectives, peak.tolist(), len(buckets))

@@ -69,3 +69,29 @@ def flat_sharded(shape: tuple[int, ...], stacked: bool, world: int) -> TensorLay
     n = math.prod(shape)
     ps = math.ceil(n / world)
     return TensorLayout(tuple(shape), stacked, tuple((min(r * ps, n), min((r + 1) * ps, n)) for r in range(world)))
+
+
+def group_flat_sharded(shapes: list[tuple[int, ...]], stacked: bool, world: int,
+                       alignment: int = 2) -> list[TensorLayout]:
+    """DeepSpeed ZeRO-1/2's split of one param group, as the planner predicts it (at run time the
+    layouts are read from DeepSpeed itself, ``integrations.deepspeed_zero``).
+
+    DeepSpeed 0.19 (``stage_1_and_2.py``) flattens the group's tensors in order, pads the flat buffer
+    to a multiple of ``alignment * W`` elements (``nccl_start_alignment_factor = 2``; per-parameter
+    padding only with ``parameter_alignment``, off by default) and gives rank ``r`` the ``r``-th of
+    ``W`` equal partitions, so a matrix may straddle ranks."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    total = sum(math.prod(s) for s in shapes)
+    unit = alignment * world
+    partition = math.ceil(total / unit) * unit // world
+    layouts, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        first, last = offset // partition if partition else 0, (offset + n - 1) // partition if n else -1
+        ranges = [(0, 0)] * world
+        for r in range(first, last + 1):
+            ranges[r] = (max(r * partition, offset) - offset, min((r + 1) * partition, offset + n) - offset)
+        layouts.append(TensorLayout(tuple(shape), stacked, tuple(ranges)))
+        offset += n
+    return layouts

@@ -1,0 +1,252 @@
+"""The cost model: per-rank Newton–Schulz FLOPs, exchange bytes, backend traffic, memory and time.
+
+Everything distributed is derived from the package's own pieces: layouts (``distributed.layout``),
+the owner plan (``assign_owners``), the exchange's sizes (``exchange_volume``, the same buckets and
+rules as ``orthogonalize_distributed``) and the kernel's FLOP model (``orthogonalize_flops``).
+
+Time model (one optimizer step; forward/backward are not modelled):
+
+* Newton–Schulz: the busiest rank's FLOPs / (matmul peak in the NS dtype x ``MATMUL_EFFICIENCY``);
+  a measured rate (``cpu``) is used as is.
+* exchange: per ``all_to_all``, the most bytes one rank sends or receives / link bandwidth, plus the
+  link's per-call latency, summed over calls.
+* element-wise: bytes the update formulas move (``MUON_BYTES_PER_ELEMENT``...) / memory bandwidth.
+* "sum" runs them one after the other (the synchronous exchange); "overlapped" hides the shorter of
+  NS and exchange behind the longer (the best a pipelined exchange can do).
+
+Backend collectives (the same under Muon and AdamW) assume NCCL's ring algorithm: an all-reduce of
+``n`` bytes sends and receives ``2 (W-1)/W n`` per rank, an all-gather or reduce-scatter ``(W-1)/W n``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..distributed.exchange import DEFAULT_BUCKET_BYTES, exchange_volume
+from ..distributed.layout import TensorLayout, flat_sharded, group_flat_sharded, replicated, row_sharded
+from ..distributed.plan import assign_owners
+from ..kernels.newton_schulz import orthogonalize_flops
+from .model import ModelTensors, PlanTensor
+from .presets import Accelerator, Interconnect
+
+LAYOUTS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+# Large bf16 GEMMs on H100 reach about 60-70% of the 989 TFLOP/s datasheet peak (cuBLAS, square
+# sizes >= 4096); Newton–Schulz's 1024..4096-wide products sit at the low end: 0.6.
+MATMUL_EFFICIENCY = 0.6
+# On a measured rate (``cpu``: bare bmm of the very products NS runs) the kernel's own overhead
+# remains: figure 1 of ``hf-muon bench`` measures NS at 94% of those bare products (README, targets).
+MEASURED_MATMUL_EFFICIENCY = 0.94
+# Minimum fp32 bytes each update moves per element, counting every tensor read or written once:
+# Muon: gradient read (4), momentum read + write (8), Nesterov blend written (4) and read into the
+# NS dtype (4 + 2), the result read back (2) and as fp32 update (4 + 4), parameter read + write (8).
+MUON_BYTES_PER_ELEMENT = 40
+# AdamW: gradient read (4), both moments read + written (16), parameter read + written (8).
+ADAMW_BYTES_PER_ELEMENT = 28
+STATE_ITEMSIZE = 4  # optimizer states are fp32
+
+
+@dataclass
+class Spread:
+    """A per-rank quantity over the ranks: smallest, mean, largest."""
+
+    min: float
+    mean: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread":
+        return cls(float(min(values)), float(sum(values) / len(values)), float(max(values)))
+
+
+@dataclass
+class StepTimes:
+    """Projected optimizer-step time (seconds) and its parts."""
+
+    newton_schulz: float
+    exchange: float
+    elementwise: float
+    muon_sum: float
+    muon_overlapped: float
+    adamw: float
+
+
+@dataclass
+class Plan:
+    """One plan: a model (or shapes) under one layout at one world size on one machine."""
+
+    model: str
+    layout: str
+    world: int
+    accelerator: str
+    interconnect: str
+    ns_dtype: str
+    ns_steps: int
+    comm_dtype: str
+    matmul_efficiency: float
+    muon_tensors: int
+    matrices: int
+    muon_params: int
+    adamw_params: int
+    ns_flops: Spread
+    busy_ranks: int
+    exchange_sent: Spread
+    exchange_received: Spread
+    exchange_collectives: int
+    buckets: int
+    backend_bytes: Spread
+    backend_detail: dict[str, float]
+    state_bytes: Spread
+    adamw_state_bytes: Spread
+    owner_buffer_bytes: Spread
+    times: StepTimes
+    backend_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _layouts(layout: str, tensors: list[PlanTensor], world: int) -> list[TensorLayout]:
+    if layout == "ddp":
+        return [replicated(t.shape, t.stacked, world) for t in tensors]
+    if layout == "fsdp2":
+        return [row_sharded(t.shape, t.stacked, world) for t in tensors]
+    if layout == "zero3":
+        return [flat_sharded(t.shape, t.stacked, world) for t in tensors]
+    if layout in ("zero1", "zero2"):  # one DeepSpeed param group per Muon group, flattened and split
+        stacked = {t.stacked for t in tensors}
+        return group_flat_sharded([t.shape for t in tensors], stacked.pop() if stacked else False, world)
+    raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+
+
+def executed_flops(tensor: PlanTensor, layout: TensorLayout, steps: int, dtype: torch.dtype) -> float:
+    """FLOPs the owner runs on ``tensor``: block by block for a fused projection, else the layout's
+    own (per expert for a stack)."""
+    if tensor.blocks is None:
+        return layout.ns_flops(steps, dtype)
+    return float(sum(orthogonalize_flops(rows, cols, steps, dtype) for rows, cols in tensor.blocks))
+
+
+def _backend_bytes(layout: str, world: int, params: int, param_bytes: int, grad_bytes: int) -> dict[str, float]:
+    """Bytes each rank sends (= receives) per step in the backend's own collectives (ring algorithm)."""
+    share = (world - 1) / world
+    if layout == "ddp":
+        return {"gradient all-reduce": 2 * share * params * grad_bytes}
+    if layout in ("fsdp2", "zero3"):  # parameters gathered for forward and again for backward
+        return {"parameter all-gather (fwd + bwd)": 2 * share * params * param_bytes,
+                "gradient reduce-scatter": share * params * grad_bytes}
+    return {"gradient reduce-scatter": share * params * grad_bytes,  # zero1/zero2
+            "parameter all-gather (after step)": share * params * param_bytes}
+
+
+def _held(layout: str, numel: int, world: int) -> float:
+    """Elements of an AdamW tensor of ``numel`` one rank holds (the largest share)."""
+    return float(numel) if layout == "ddp" else float(math.ceil(numel / world))
+
+
+def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, link: Interconnect, *,
+         ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, comm_dtype: torch.dtype = torch.float32,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = 2, grad_bytes: int = 2,
+         matmul_efficiency: float | None = None, plan_dtype: torch.dtype | None = None) -> Plan:
+    """The plan of ``tensors`` under ``layout`` over ``world`` ranks of ``device`` joined by ``link``.
+
+    Args:
+        ns_dtype: the dtype Newton–Schulz runs in (the owner plan is costed in it too, as
+            ``plan_ns_dtype`` does for an explicit dtype).
+        comm_dtype: the exchange's dtype on the wire (``Muon``'s default: the fp32 updates').
+        param_bytes, grad_bytes: bytes per element of the backend's parameter and gradient
+            collectives (2: bf16 mixed precision).
+        matmul_efficiency: fraction of the matmul peak Newton–Schulz reaches (default
+            ``MATMUL_EFFICIENCY``; ``MEASURED_MATMUL_EFFICIENCY`` for a measured rate).
+        plan_dtype: the dtype the owner plan is costed in (``plan_ns_dtype``; default ``ns_dtype``).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world size must be an integer >= 1, got {world!r}")
+    if ns_steps < 1:
+        raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
+    if not tensors.muon_tensors:
+        raise ValueError(f"{tensors.name}: no tensor gets Muon, nothing to plan")
+    efficiency = matmul_efficiency
+    if efficiency is None:
+        efficiency = MEASURED_MATMUL_EFFICIENCY if device.measured else MATMUL_EFFICIENCY
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"matmul efficiency must be in (0, 1], got {efficiency}")
+    comm_itemsize = torch.empty(0, dtype=comm_dtype).element_size()
+
+    flops = [0.0] * world
+    sent, received, buffers = [0] * world, [0] * world, [0] * world
+    muon_held = [0] * world
+    collectives: list[int] = []
+    buckets = matrices = 0
+    for group in tensors.muon_groups:  # Muon exchanges each param group on its own
+        layouts = _layouts(layout, group, world)
+        owners = assign_owners(layouts, world, ns_steps, plan_dtype or ns_dtype)
+        for t, lay, owner in zip(group, layouts, owners):
+            flops[owner] += executed_flops(t, lay, ns_steps, ns_dtype)
+            matrices += len(t.blocks) if t.blocks is not None else lay.matrix_shape[0]
+            for r, (start, end) in enumerate(lay.ranges):
+                muon_held[r] += end - start
+        volume = exchange_volume(layouts, owners, world, comm_itemsize, STATE_ITEMSIZE, bucket_bytes)
+        sent = [a + b for a, b in zip(sent, volume.bytes_sent)]
+        received = [a + b for a, b in zip(received, volume.bytes_received)]
+        buffers = [max(a, b) for a, b in zip(buffers, volume.peak_buffer_bytes)]
+        collectives += volume.collective_bytes
+        buckets += volume.buckets
+
+    adamw_held = sum(_held(layout, n, world) for n in tensors.adamw_numels)
+    all_params = tensors.muon_params + tensors.adamw_params
+    adamw_everything = [m + adamw_held for m in muon_held]
+    state = [STATE_ITEMSIZE * (m + 2 * adamw_held) for m in muon_held]
+    adamw_state = [STATE_ITEMSIZE * 2 * a for a in adamw_everything]
+
+    rate = (device.fp32_flops if ns_dtype in (torch.float32, torch.float64) else device.bf16_flops) * efficiency
+    ns_s = max(flops) / rate
+    exchange_s = sum(b / link.bandwidth + link.latency for b in collectives)
+    elementwise_s = max(MUON_BYTES_PER_ELEMENT * m + ADAMW_BYTES_PER_ELEMENT * adamw_held
+                        for m in muon_held) / device.memory_bandwidth
+    adamw_s = max(ADAMW_BYTES_PER_ELEMENT * a for a in adamw_everything) / device.memory_bandwidth
+    times = StepTimes(ns_s, exchange_s, elementwise_s, elementwise_s + ns_s + exchange_s,
+                      elementwise_s + max(ns_s, exchange_s), adamw_s)
+    backend = _backend_bytes(layout, world, all_params, param_bytes, grad_bytes) if world > 1 else {}
+    backend_total = sum(backend.values())
+
+    busy = sum(1 for f in flops if f > 0)
+    notes = []
+    if busy < world:
+        notes.append(f"{world - busy} of {world} ranks run no Newton–Schulz: {len(tensors.muon_tensors)} Muon tensors "
+                     f"({matrices} matrices) cannot keep more than {busy} owners busy; NS time is the busiest owner's")
+    if max(buffers) > 0.25 * device.memory_bytes > 0:
+        notes.append(f"the exchange's temporary buffers reach {max(buffers) / 2**30:.1f} GiB on one rank "
+                     f"({100 * max(buffers) / device.memory_bytes:.0f}% of a {device.name}'s memory); "
+                     "lower Muon's bucket_bytes (they scale with it) or use a sharded layout")
+    if layout == "ddp" and world > 2:
+        notes.append(f"under DDP each owner sends its whole result to each of the {world - 1} other ranks in the "
+                     "all-to-all (not a ring all-gather): its link carries (W-1) times the tensors it owns")
+    dtype_name = str(ns_dtype).replace("torch.", "")
+    return Plan(
+        model=tensors.name, layout=layout, world=world, accelerator=device.name, interconnect=link.name,
+        ns_dtype=dtype_name, ns_steps=ns_steps, comm_dtype=str(comm_dtype).replace("torch.", ""),
+        matmul_efficiency=efficiency, muon_tensors=len(tensors.muon_tensors), matrices=matrices,
+        muon_params=tensors.muon_params, adamw_params=tensors.adamw_params,
+        ns_flops=Spread.of(flops), busy_ranks=busy, exchange_sent=Spread.of(sent),
+        exchange_received=Spread.of(received), exchange_collectives=len(collectives), buckets=buckets,
+        backend_bytes=Spread(backend_total, backend_total, backend_total), backend_detail=backend,
+        state_bytes=Spread.of(state), adamw_state_bytes=Spread.of(adamw_state),
+        owner_buffer_bytes=Spread.of(buffers), times=times,
+        backend_seconds=backend_total / link.bandwidth, notes=notes,
+    )
+
+
+def shapes_tensors(shapes: list[tuple[int, ...]], name: str = "shapes") -> ModelTensors:
+    """A list of matrix shapes as one Muon group of whole matrices and no AdamW parameters."""
+    if not shapes:
+        raise ValueError("no shapes given")
+    for shape in shapes:
+        if len(shape) < 2 or min(shape) < 1:
+            raise ValueError(f"every shape must be a matrix with positive sizes, got {shape}")
+    return ModelTensors(name, [[PlanTensor(f"matrix{i}", tuple(s)) for i, s in enumerate(shapes)]])

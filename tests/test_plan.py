@@ -1,0 +1,351 @@
+"""``hf-muon plan``: its figures against arithmetic done by hand, its exchange sizes against the real
+exchange's counters, the CLI, and its messages on bad input.
+
+Hand formulas (the kernel's FLOP model, ``newton_schulz.ns_matmuls``), for an ``m x n`` matrix with
+``m = min(rows, cols)``, ``n = max(rows, cols)``, 5 quintic steps, fp32 (so the Gram iterations run as
+one segment, no restarts):
+
+* standard: every step computes ``A = X X^T`` (m x n x m), ``A @ A`` (m x m x m), ``B @ X`` (m x m x n):
+  ``5 * (2*m*n*m + 2*m*m*m + 2*m*m*n)``;
+* Gram: ``X X^T`` once and ``Q X`` once (2 products of 2*m*m*n) and 17 products of m x m x m (step 1:
+  ``A @ A`` and the two of ``A <- B (A B)``; steps 2-4: those and ``Q <- B Q``; step 5: ``A @ A``, ``B Q``);
+* the kernel picks Gram where it costs at most 0.9x the standard count (which one, per shape, is
+  written next to each use below).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_muon.distributed.exchange import ExchangeStats, exchange_volume, orthogonalize_distributed
+from hf_muon.distributed.layout import group_flat_sharded
+from hf_muon.distributed.plan import assign_owners
+from hf_muon.planner import plan_for_shapes, plan_tensors
+from hf_muon.planner.cost import _layouts
+from hf_muon.planner.model import meta_model, model_tensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP32 = torch.float32
+
+
+def standard(m: int, n: int) -> int:
+    return 5 * (2 * m * n * m + 2 * m * m * m + 2 * m * m * n)
+
+
+def gram(m: int, n: int) -> int:
+    return 2 * (2 * m * m * n) + 17 * (2 * m * m * m)
+
+
+# The choices the kernel makes on the shapes below (Gram iff gram <= 0.9 * standard):
+#   64x64:  standard 7,864,320 vs Gram 9,961,472 (1.27) -> standard
+#   32x64:  standard 1,638,400 vs Gram 1,376,256 (0.84) -> Gram
+#   64x176: standard 17,039,360 vs Gram 11,796,480 (0.69) -> Gram
+#   64x256: standard 23,592,960 vs Gram 13,107,200 (0.56) -> Gram
+#   64x192: standard 18,350,080 vs Gram 12,058,624 (0.66) -> Gram
+#   64x96:  standard 10,485,760 vs Gram 10,485,760 (1.0) -> standard
+#   4x64:   standard 21,120 vs Gram 6,272 (0.30) -> Gram
+assert standard(64, 64) == 7_864_320 and gram(64, 64) == 9_961_472
+assert standard(32, 64) == 1_638_400 and gram(32, 64) == 1_376_256
+
+
+def tiny_llama():
+    """GQA: 4 heads of 16, 2 KV heads -> k, v are 32 x 64."""
+    import transformers
+
+    return meta_model(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, architectures=["LlamaForCausalLM"]))
+
+
+def tiny_gpt2():
+    """Fused c_attn (64 x 192 Conv1D) cut in q, k, v blocks of 64 x 64."""
+    import transformers
+
+    return meta_model(transformers.GPT2Config(
+        n_embd=64, n_head=4, n_layer=2, n_positions=32, vocab_size=128, bos_token_id=0, eos_token_id=0,
+        architectures=["GPT2LMHeadModel"]))
+
+
+def tiny_mixtral():
+    import transformers
+
+    return meta_model(transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=128, architectures=["MixtralForCausalLM"]))
+
+
+def plans(model, layout: str, worlds: list[int], **options):
+    return plan_tensors(model_tensors(model), layout, worlds, "h100-sxm", "ib-400g", ns_dtype=FP32, **options)
+
+
+# ---- tiny Llama: per layer q, o 64x64; k, v 32x64; gate, up 176x64; down 64x176 -----------------------
+LLAMA_NS = 2 * (2 * standard(64, 64) + 2 * gram(32, 64) + 3 * gram(64, 176))
+LLAMA_MUON = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 176 * 64)  # 92,160
+LLAMA_ADAMW = 128 * 64 + 64 * 128 + (2 * 2 + 1) * 64  # embeddings, untied head, 5 RMSNorm weights: 16,704
+
+
+def test_llama_ddp_w2_by_hand():
+    (p,) = plans(tiny_llama(), "ddp", [2])
+    assert (p.muon_tensors, p.muon_params, p.adamw_params) == (14, LLAMA_MUON, LLAMA_ADAMW)
+    assert p.ns_flops.mean * 2 == LLAMA_NS  # every matrix once, on its owner
+    assert p.ns_flops.max < LLAMA_NS  # both ranks own some
+    # DDP: no gather (every owner holds its tensor); the owner sends the fp32 result to the other rank
+    assert p.exchange_sent.mean * 2 == 4 * LLAMA_MUON
+    assert p.exchange_received.mean * 2 == 4 * LLAMA_MUON
+    # ring all-reduce of bf16 gradients: 2 * (W-1)/W * params * 2 bytes
+    assert p.backend_detail == {"gradient all-reduce": 2 * (1 / 2) * (LLAMA_MUON + LLAMA_ADAMW) * 2}
+    # state: Muon one fp32 buffer, AdamW two; DDP keeps all of it on every rank
+    assert p.state_bytes.max == 4 * (LLAMA_MUON + 2 * LLAMA_ADAMW) == 502_272
+    assert p.adamw_state_bytes.max == 4 * 2 * (LLAMA_MUON + LLAMA_ADAMW) == 870_912
+
+
+def test_llama_state_matches_optimizer_state_bytes():
+    from hf_muon.optimizer.param_split import optimizer_state_bytes, split_parameters
+
+    model = tiny_llama()
+    expected = optimizer_state_bytes(split_parameters(model))
+    (p,) = plans(model, "ddp", [1])
+    assert (p.state_bytes.max, p.adamw_state_bytes.max) == (expected["hf_muon"], expected["all_adamw"])
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "zero3"])
+def test_llama_sharded_w2_by_hand(layout):
+    (p,) = plans(tiny_llama(), layout, [2])
+    assert p.ns_flops.mean * 2 == LLAMA_NS
+    # every row count and element count is even: each rank holds half of every tensor. The owner
+    # receives the other half (gather) and sends it back (result): per tensor n/2 fp32 each way.
+    assert p.exchange_sent.min == p.exchange_sent.max == p.exchange_received.max
+    assert p.exchange_sent.mean * 2 == 4 * LLAMA_MUON
+    assert p.state_bytes.max == 4 * (LLAMA_MUON // 2 + 2 * (LLAMA_ADAMW // 2))  # 251,136
+    assert p.backend_detail["gradient reduce-scatter"] == (1 / 2) * (LLAMA_MUON + LLAMA_ADAMW) * 2
+    assert p.backend_detail["parameter all-gather (fwd + bwd)"] == 2 * (1 / 2) * (LLAMA_MUON + LLAMA_ADAMW) * 2
+
+
+def test_llama_zero3_large_world_by_hand():
+    world = 64
+    (p,) = plans(tiny_llama(), "zero3", [world])
+    # 14 tensors, 64 ranks: each tensor gets an owner of its own, 50 ranks idle
+    assert p.busy_ranks == 14 and p.ns_flops.min == 0
+    assert p.ns_flops.max == gram(64, 176) == 11_796_480
+    assert any("50 of 64 ranks run no Newton–Schulz" in n for n in p.notes)
+    # ZeRO-3 pieces of ceil(n/64): 64x64 -> 64 each, 32x64 -> 32, 176x64 -> 176. The owner receives
+    # n minus its own piece and sends as much back; summed over ranks every byte is counted once sent.
+    per_layer = 2 * (4096 - 64) + 2 * (2048 - 32) + 3 * (11264 - 176)
+    assert p.exchange_sent.mean * world == pytest.approx(2 * 4 * 2 * per_layer)
+    assert p.exchange_received.mean * world == pytest.approx(2 * 4 * 2 * per_layer)
+
+
+def test_llama_ddp_large_world_by_hand():
+    world = 64
+    (p,) = plans(tiny_llama(), "ddp", [world])
+    # DDP: each owner sends its result to the 63 others
+    assert p.exchange_sent.mean * world == pytest.approx(4 * LLAMA_MUON * (world - 1))
+    assert p.ns_flops.max == gram(64, 176)
+
+
+# ---- tiny GPT-2: c_attn 64x192 in three 64x64 blocks, c_proj 64x64, c_fc 64x256, mlp.c_proj 256x64 --------
+def test_gpt2_fused_blocks_by_hand():
+    (p,) = plans(tiny_gpt2(), "fsdp2", [2])
+    blocks = 3 * standard(64, 64)  # not the whole 64x192's gram(64, 192)
+    assert p.ns_flops.mean * 2 == 2 * (blocks + standard(64, 64) + 2 * gram(64, 256))
+    assert p.matrices == 2 * (3 + 1 + 1 + 1)
+    muon = 2 * (64 * 192 + 64 * 64 + 2 * 64 * 256)
+    assert p.muon_params == muon
+    assert p.exchange_sent.mean * 2 == 4 * muon  # halves each way, as above
+
+
+# ---- tiny Mixtral: the installed transformers' expert layout ---------------------------------------------
+def test_mixtral_experts_by_hand():
+    model = tiny_mixtral()
+    tensors = model_tensors(model)
+    attention = 2 * standard(64, 64) + 2 * gram(32, 64) + gram(4, 64)  # q, o, k, v, router (4 experts x 64)
+    if hasattr(model.model.layers[0].mlp.experts, "gate_up_proj"):
+        # transformers 5: one stacked [4, 192, 64] gate_up and one [4, 64, 96] down per layer, one
+        # Newton–Schulz per expert (gate and up orthogonalized together: fused_blocks cuts nothing)
+        assert [len(g) for g in tensors.muon_groups] == [10, 4]
+        experts = 4 * gram(64, 192) + 4 * standard(64, 96)
+        matrices = 2 * (5 + 4 + 4)
+    else:  # transformers 4: per-expert Linear w1, w3 (96x64) and w2 (64x96)
+        experts = 4 * (2 * gram(64, 96) + standard(64, 96))
+        matrices = 2 * (5 + 12)
+    (p,) = plans(model, "zero3", [2])
+    assert p.ns_flops.mean * 2 == 2 * (attention + experts)
+    assert p.matrices == matrices
+    muon = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 4 * 64 + 4 * 3 * 96 * 64)
+    assert p.muon_params == muon
+    (big,) = plans(model, "zero3", [512])
+    # Muon plans each param group's owners on its own: rank 0 takes the largest tensor of each group
+    # (a q or o 64x64 and, on transformers 5, a stack of 4 gate_up experts) at once
+    if hasattr(model.model.layers[0].mlp.experts, "gate_up_proj"):
+        assert big.ns_flops.max == standard(64, 64) + 4 * gram(64, 192)
+    else:  # one group of single matrices: the largest is an expert's 64x96 (standard = Gram there)
+        assert big.ns_flops.max == standard(64, 96)
+
+
+# ---- ZeRO-1/2 layout: DeepSpeed's flatten, pad to 2*W, W equal partitions ----------------------------------
+def test_zero12_layout_by_hand():
+    # 24 + 30 = 54 elements, W = 4: padded to 56 (a multiple of 2 * 4), partitions of 14
+    a, b = group_flat_sharded([(4, 6), (10, 3)], False, 4)
+    assert a.ranges == ((0, 14), (14, 24), (0, 0), (0, 0))
+    assert b.ranges == ((0, 0), (0, 4), (4, 18), (18, 30))  # flat 24..54: rank 1 to 28, rank 2 to 42
+
+
+# ---- the planner's exchange sizes are the real exchange's counters ---------------------------------------
+class _FakeWork:
+    def wait(self):
+        return None
+
+
+def _measured_stats(layouts, owners, world, comm_dtype, bucket_bytes, monkeypatch):
+    """Run the real exchange once per rank in this process, its collective replaced by one that only
+    records the call: ``ExchangeStats`` counts what each rank would send and receive."""
+    calls = []
+
+    def fake_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                               async_op=False):
+        calls.append((sum(output_split_sizes), sum(input_split_sizes)))
+        output.zero_()
+        return _FakeWork() if async_op else None
+
+    monkeypatch.setattr(torch.distributed, "all_to_all_single", fake_all_to_all_single)
+    stats = []
+    for rank in range(world):
+        pieces = [torch.zeros(end - start) for start, end in (lay.ranges[rank] for lay in layouts)]
+        s = ExchangeStats()
+        orthogonalize_distributed(pieces, layouts, owners, lambda wholes, _: [w.clone() for w in wholes],
+                                  group=None, rank=rank, world=world, stats=s, bucket_bytes=bucket_bytes,
+                                  comm_dtype=comm_dtype)
+        stats.append(s)
+    return stats, len(calls) // world
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "zero1", "zero3"])
+@pytest.mark.parametrize("world", [2, 5])
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+def test_exchange_volume_equals_exchange_stats(layout, world, comm_dtype, monkeypatch):
+    tensors = model_tensors(tiny_mixtral())  # two groups: whole matrices, stacked experts
+    bucket_bytes = 40_000  # several buckets
+    for group in tensors.muon_groups:
+        layouts = _layouts(layout, group, world)
+        owners = assign_owners(layouts, world, 5, FP32)
+        itemsize = torch.empty(0, dtype=comm_dtype).element_size()
+        volume = exchange_volume(layouts, owners, world, itemsize, 4, bucket_bytes)
+        stats, calls = _measured_stats(layouts, owners, world, comm_dtype, bucket_bytes, monkeypatch)
+        assert volume.bytes_sent == [s.bytes_sent for s in stats]
+        assert volume.bytes_received == [s.bytes_received for s in stats]
+        assert len(volume.collective_bytes) == calls
+        assert volume.buckets > 1
+        assert sum(s.tensors_orthogonalized for s in stats) == len(layouts)
+
+
+def test_plan_for_shapes_one_process_has_no_exchange():
+    shapes = [(64, 64), (32, 64), (176, 64)]
+    p = plan_for_shapes(shapes, "ddp", 1, "h100-sxm", ns_dtype="fp32")
+    assert p.ns_flops.max == standard(64, 64) + gram(32, 64) + gram(64, 176)
+    assert p.exchange_collectives == 0 and p.times.exchange == 0
+    # time = FLOPs / (67 TFLOP/s fp32 x 0.6) + element-wise bytes / 3.35 TB/s
+    elements = 64 * 64 + 32 * 64 + 176 * 64
+    assert p.times.muon_sum == pytest.approx(p.ns_flops.max / (67e12 * 0.6) + 40 * elements / 3.35e12)
+
+
+def test_zero3_two_ranks_prediction_from_shapes():
+    p = plan_for_shapes([(64, 64), (64, 64)], "zero3", 2, "h100-sxm", "ib-400g", ns_dtype="fp32")
+    # one 64x64 per rank; each rank gathers the other half of its own (2048 fp32) and sends one half
+    assert p.ns_flops.min == p.ns_flops.max == standard(64, 64)
+    assert p.exchange_sent.max == p.exchange_received.max == 2 * 2048 * 4
+    # two all-to-alls (one bucket): each moves 8 KiB per rank, at 50 GB/s plus 20 us each
+    assert p.times.exchange == pytest.approx(2 * (2048 * 4 / 50e9 + 20e-6))
+    assert p.times.muon_overlapped <= p.times.muon_sum
+
+
+def test_many_ranks():
+    (p,) = plans(tiny_llama(), "zero2", [4096])
+    assert p.busy_ranks == 14 and p.world == 4096
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+def test_bad_inputs_api(tmp_path):
+    from hf_muon.planner import plan_model
+
+    with pytest.raises(ValueError, match="unknown layout"):
+        plan_for_shapes([(4, 4)], "zero4", 1, "h100-sxm")
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_for_shapes([(4, 4)], "ddp", 0, "h100-sxm")
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        plan_for_shapes([(4, 4)], "ddp", 1, "tpu-v9")
+    with pytest.raises(ValueError, match="unknown interconnect"):
+        plan_for_shapes([(4, 4)], "ddp", 1, "h100-sxm", "carrier-pigeon")
+    with pytest.raises(ValueError, match="without config.json"):
+        plan_model(str(tmp_path), "ddp", [2])
+    with pytest.raises(ValueError, match="not a shipped preset"):
+        plan_model("no-such-model-xyz", "ddp", [2])
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "hf_muon.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_llama_3_8b_zero3(tmp_path):
+    result = _cli("llama-3-8b", "--layout", "zero3", "--world", "64,1024", "--plot", str(tmp_path / "plan.png"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "llama-3-8b (LlamaForCausalLM): zero3, 64 ranks of h100-sxm over ib-400g" in out
+    assert "Muon: 224 tensors (224 matrices, 6.98 B parameters)" in out
+    assert "800 of 1024 ranks run no Newton–Schulz" in out
+    assert "projected optimizer step" in out and "summary" in out
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["no-such-model-xyz", "--layout", "ddp", "--world", "2"], "not a shipped preset"),
+    (["llama-3-8b", "--layout", "zero4", "--world", "2"], "invalid choice: 'zero4'"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "0"], "--world sizes must be >= 1"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--accelerator", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_cli_bad_inputs(args, message):
+    result = _cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_cli_folder_without_config(tmp_path):
+    result = _cli(str(tmp_path), "--layout", "ddp", "--world", "2")
+    assert result.returncode == 2 and "without config.json" in result.stderr
+
+
+def test_cli_json_on_a_config_file(tmp_path):
+    import json
+
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    result = _cli(str(tmp_path / "config.json"), "--layout", "fsdp2", "--world", "2,64", "--json",
+                  "--ns_dtype", "fp32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert [d["world"] for d in data] == [2, 64]
+    assert data[0]["ns_flops"]["mean"] * 2 == LLAMA_NS
+    assert math.isclose(data[1]["ns_flops"]["max"], gram(64, 176))
+
+
+@pytest.mark.slow
+def test_loopback_link_is_measured():
+    from hf_muon.planner.presets import interconnect
+
+    link = interconnect("loopback")
+    assert link.bandwidth > 0 and link.latency > 0 and link.name.startswith("loopback (measured")
+    from hf_muon.planner.cost import plan, shapes_tensors
+    from hf_muon.planner.presets import ACCELERATORS
+
+    p = plan(shapes_tensors([(64, 64), (64, 64)]), "zero3", 2, ACCELERATORS["h100-sxm"], link, ns_dtype=FP32)
+    assert p.times.exchange == pytest.approx(2 * (2048 * 4 / link.bandwidth + link.latency))
