@@ -25,7 +25,7 @@ import torch
 
 from hf_muon.distributed.exchange import ExchangeStats, exchange_volume, orthogonalize_distributed
 from hf_muon.distributed.layout import group_flat_sharded
-from hf_muon.distributed.plan import assign_owners
+from hf_muon.distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 from hf_muon.planner import plan_for_shapes, plan_tensors
 from hf_muon.planner.cost import _layouts
 from hf_muon.planner.model import meta_model, model_tensors
@@ -202,7 +202,7 @@ class _FakeWork:
         return None
 
 
-def _measured_stats(layouts, owners, world, comm_dtype, bucket_bytes, monkeypatch):
+def _measured_stats(layouts, owners, world, comm_dtype, buckets, monkeypatch):
     """Run the real exchange once per rank in this process, its collective replaced by one that only
     records the call: ``ExchangeStats`` counts what each rank would send and receive."""
     calls = []
@@ -219,7 +219,7 @@ def _measured_stats(layouts, owners, world, comm_dtype, bucket_bytes, monkeypatc
         pieces = [torch.zeros(end - start) for start, end in (lay.ranges[rank] for lay in layouts)]
         s = ExchangeStats()
         orthogonalize_distributed(pieces, layouts, owners, lambda wholes, _: [w.clone() for w in wholes],
-                                  group=None, rank=rank, world=world, stats=s, bucket_bytes=bucket_bytes,
+                                  group=None, rank=rank, world=world, stats=s, buckets=buckets,
                                   comm_dtype=comm_dtype)
         stats.append(s)
     return stats, len(calls) // world
@@ -231,17 +231,21 @@ def _measured_stats(layouts, owners, world, comm_dtype, bucket_bytes, monkeypatc
 def test_exchange_volume_equals_exchange_stats(layout, world, comm_dtype, monkeypatch):
     tensors = model_tensors(tiny_mixtral())  # two groups: whole matrices, stacked experts
     bucket_bytes = 40_000  # several buckets
+    most_buckets = 0
     for group in tensors.muon_groups:
         layouts = _layouts(layout, group, world)
         owners = assign_owners(layouts, world, 5, FP32)
         itemsize = torch.empty(0, dtype=comm_dtype).element_size()
-        volume = exchange_volume(layouts, owners, world, itemsize, 4, bucket_bytes)
-        stats, calls = _measured_stats(layouts, owners, world, comm_dtype, bucket_bytes, monkeypatch)
+        buckets = plan_buckets(layouts, owners, world, 5, itemsize, bucket_bytes, PIPELINE_BUCKETS, FP32)
+        volume = exchange_volume(layouts, owners, world, itemsize, buckets, 4)
+        stats, calls = _measured_stats(layouts, owners, world, comm_dtype, buckets, monkeypatch)
         assert volume.bytes_sent == [s.bytes_sent for s in stats]
         assert volume.bytes_received == [s.bytes_received for s in stats]
         assert len(volume.collective_bytes) == calls
-        assert volume.buckets > 1
+        assert volume.buckets == len(buckets)
         assert sum(s.tensors_orthogonalized for s in stats) == len(layouts)
+        most_buckets = max(most_buckets, len(buckets))
+    assert most_buckets > 1  # the attention/dense group is cut in several buckets
 
 
 def test_plan_for_shapes_one_process_has_no_exchange():

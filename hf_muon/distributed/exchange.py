@@ -316,10 +316,10 @@ class ExchangeVolume:
 
 
 def exchange_volume(layouts: list[TensorLayout], owners: list[int], world: int, comm_itemsize: int,
-                    piece_itemsize: int = 4, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExchangeVolume:
+                    buckets: list[list[int]], piece_itemsize: int = 4) -> ExchangeVolume:
     """Sizes per rank of one :func:`orthogonalize_distributed` call, from the layouts and owners alone.
 
-    Follows the exchange's own rules: the same buckets (``_buckets`` at ``comm_itemsize``), a gather
+    Follows the exchange's own rules: the same ``buckets`` (``plan.plan_buckets``), a gather
     only for tensors whose owner lacks some of them, results sent back to every other holder, and a
     collective only where some rank other than the owner holds a piece. Pure arithmetic (numpy over
     ranks), so it runs for thousands of ranks; tests check it against ``ExchangeStats``."""
@@ -330,7 +330,6 @@ def exchange_volume(layouts: list[TensorLayout], owners: list[int], world: int, 
     sent, received = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
     peak = np.zeros(world, dtype=np.int64)
     collectives: list[int] = []
-    buckets = _buckets(layouts, comm_itemsize, bucket_bytes)
     for bucket in buckets:
         gather_out, gather_in = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
         back_out, back_in = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)

@@ -27,7 +27,7 @@ import torch
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, exchange_volume
 from ..distributed.layout import TensorLayout, flat_sharded, group_flat_sharded, replicated, row_sharded
-from ..distributed.plan import assign_owners
+from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 from ..kernels.newton_schulz import orthogonalize_flops
 from .model import ModelTensors, PlanTensor
 from .presets import Accelerator, Interconnect
@@ -150,7 +150,8 @@ def _held(layout: str, numel: int, world: int) -> float:
 def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, link: Interconnect, *,
          ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, comm_dtype: torch.dtype = torch.float32,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = 2, grad_bytes: int = 2,
-         matmul_efficiency: float | None = None, plan_dtype: torch.dtype | None = None) -> Plan:
+         matmul_efficiency: float | None = None, plan_dtype: torch.dtype | None = None,
+         overlap: bool = True) -> Plan:
     """The plan of ``tensors`` under ``layout`` over ``world`` ranks of ``device`` joined by ``link``.
 
     Args:
@@ -162,6 +163,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         matmul_efficiency: fraction of the matmul peak Newton–Schulz reaches (default
             ``MATMUL_EFFICIENCY``; ``MEASURED_MATMUL_EFFICIENCY`` for a measured rate).
         plan_dtype: the dtype the owner plan is costed in (``plan_ns_dtype``; default ``ns_dtype``).
+        overlap: the exchange's bucketing (``Muon(overlap_exchange=...)``): pipelined buckets, at least
+            ``PIPELINE_BUCKETS``, or as few as ``bucket_bytes`` allows.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
@@ -191,7 +194,9 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
             matrices += len(t.blocks) if t.blocks is not None else lay.matrix_shape[0]
             for r, (start, end) in enumerate(lay.ranges):
                 muon_held[r] += end - start
-        volume = exchange_volume(layouts, owners, world, comm_itemsize, STATE_ITEMSIZE, bucket_bytes)
+        buckets_of_group = plan_buckets(layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
+                                        PIPELINE_BUCKETS if overlap else 1, plan_dtype or ns_dtype)
+        volume = exchange_volume(layouts, owners, world, comm_itemsize, buckets_of_group, STATE_ITEMSIZE)
         sent = [a + b for a, b in zip(sent, volume.bytes_sent)]
         received = [a + b for a, b in zip(received, volume.bytes_received)]
         buffers = [max(a, b) for a, b in zip(buffers, volume.peak_buffer_bytes)]
