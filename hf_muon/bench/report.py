@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .common import CONTENDERS, HF_MUON, HF_MUON_AOL, TORCH_MUON
+from .common import CONTENDERS, HF_MUON, HF_MUON_AOL
 from .throughput import SINGLE
 
 ZERO2, ZERO3 = "ZeRO-2, W=2", "ZeRO-3, W=2"

@@ -13,7 +13,7 @@ import torch
 
 from .cost import LAYOUTS, Plan, plan, shapes_tensors
 from .model import ModelTensors, load_model_tensors, preset_names
-from .presets import ACCELERATORS, CPU, INTERCONNECTS, Accelerator, accelerator, interconnect, with_peak
+from .presets import CPU, Accelerator, accelerator, interconnect, with_peak
 
 __all__ = ["LAYOUTS", "Plan", "plan_for_shapes", "plan_model", "plan_tensors", "preset_names"]
 
