@@ -734,8 +734,8 @@ class Muon(Optimizer):
             lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
             nesterov=group["nesterov"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"], stacked=group["stacked"],
-            ns_precondition=group["ns_precondition"], shapes=shapes, exchange=exchange, orthogonalize_fn=self.orthogonalize_fn, blocks=blocks,
-            figures=figures,
+            ns_precondition=group["ns_precondition"], shapes=shapes, exchange=exchange,
+            orthogonalize_fn=self.orthogonalize_fn, blocks=blocks, figures=figures,
         )
         if figures is not None:
             figures.exchange_bytes = self.exchange_stats.bytes_sent + self.exchange_stats.bytes_received - sent
