@@ -93,11 +93,13 @@ def _world_sizes(text: str) -> list[int]:
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    from .kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps
+    from .planner.cost import LAYOUTS
     from .planner.presets import ACCELERATORS, CPU, INTERCONNECTS, LOOPBACK
 
     p.add_argument("model", help="a shipped preset (llama-3-8b, mixtral-8x7b), a model folder or config.json, "
                                  "or a model id already in the local Hugging Face cache (nothing is downloaded)")
-    p.add_argument("--layout", required=True, choices=["ddp", "fsdp2", "zero1", "zero2", "zero3"])
+    p.add_argument("--layout", required=True, choices=LAYOUTS)
     p.add_argument("--world", required=True, type=_world_sizes, help="world sizes, comma-separated (e.g. 64,1024)")
     p.add_argument("--accelerator", default="h100-sxm", choices=sorted(ACCELERATORS) + [CPU],
                    help="cpu: this machine's matmul rate and memory bandwidth, measured now on the plan's shapes")
@@ -109,7 +111,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link_gbs", type=float, help="override the link bandwidth (GB/s per GPU per direction)")
     p.add_argument("--latency_us", type=float, help="override the per-collective latency (microseconds)")
     p.add_argument("--ns_dtype", choices=["bf16", "fp16", "fp32"], help="as Muon's ns_dtype (default: its policy)")
-    p.add_argument("--ns_steps", type=int, default=5)
+    p.add_argument("--ns_steps", type=int, default=default_ns_steps(DEFAULT_NS_PRECONDITION),
+                   help="as Muon's ns_steps (default: Muon's, %(default)s)")
     p.add_argument("--comm_dtype", choices=["fp32", "bf16"], default="fp32",
                    help="the exchange's dtype on the wire (Muon's comm_dtype; default: the fp32 updates)")
     p.add_argument("--bucket_mib", type=float, default=256, help="Muon's bucket_bytes in MiB (default 256)")

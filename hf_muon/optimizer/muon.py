@@ -41,14 +41,39 @@ Exchange = Callable[[list[Tensor], Callable[[list[Tensor], list[int]], list[Tens
 OrthogonalizeFn = Callable[[Tensor, int, str, torch.dtype], Tensor]
 
 
-def takes_precondition(fn: Callable) -> bool:
-    """Whether ``fn`` (an ``orthogonalize_fn``) accepts the keyword ``precondition``; functions written
-    for the 4-argument signature ``(G, steps, coefficients, dtype)`` do not and are called without it."""
+def _inspect_precondition(fn: Callable) -> bool:
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin or C extension without a signature: the old contract
         return False
     return any(p.name == "precondition" or p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+_cached_precondition = functools.lru_cache(maxsize=64)(_inspect_precondition)
+
+
+def takes_precondition(fn: Callable) -> bool:
+    """Whether ``fn`` (an ``orthogonalize_fn``) accepts the keyword ``precondition``; functions written
+    for the 4-argument signature ``(G, steps, coefficients, dtype)`` do not and are called without it.
+    Asked at every Newton–Schulz batch, so each (hashable) function is inspected once."""
+    try:
+        return _cached_precondition(fn)
+    except TypeError:  # an unhashable callable
+        return _inspect_precondition(fn)
+
+
+def with_precondition(fn: OrthogonalizeFn | None, precondition: str) -> OrthogonalizeFn:
+    """``fn`` (``None``: :func:`hf_muon.kernels.orthogonalize`) with ``precondition`` bound when it takes
+    that keyword; a 4-argument function is returned as it is for the default preconditioner and refused
+    for another (it could not honour it)."""
+    fn = fn if fn is not None else orthogonalize
+    if fn is orthogonalize or takes_precondition(fn):
+        return functools.partial(fn, precondition=precondition)
+    if precondition != DEFAULT_NS_PRECONDITION:
+        raise ValueError(f"ns_precondition={precondition!r} needs an orthogonalize_fn that takes the keyword "
+                         f"'precondition'; {fn!r} has the 4-argument signature: add the keyword or leave "
+                         f"ns_precondition at {DEFAULT_NS_PRECONDITION!r}")
+    return fn
 
 ADJUST_LR_RULES = ("match_rms_adamw", "original")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
@@ -124,13 +149,7 @@ def orthogonalize_all(
     block times ``block_scales[i][k]`` (its learning-rate scale relative to the tensor's; float32 then).
     ``record(batch, row_weights)`` sees each batch Newton–Schulz returned, with a weight per matrix:
     ``weights[i]`` of its update times its block's relative scale squared (telemetry)."""
-    fn = orthogonalize_fn if orthogonalize_fn is not None else orthogonalize
-    if fn is orthogonalize or takes_precondition(fn):
-        fn = functools.partial(fn, precondition=precondition)
-    elif precondition != DEFAULT_NS_PRECONDITION:
-        raise ValueError(f"ns_precondition={precondition!r} needs an orthogonalize_fn that takes the keyword "
-                         f"'precondition'; {fn!r} does not: add it or leave ns_precondition at "
-                         f"{DEFAULT_NS_PRECONDITION!r}")
+    fn = with_precondition(orthogonalize_fn, precondition)
     mats: list[Tensor] = []  # each update's matrices in order: one, or one per block
     mat_weights: list[float] = []
     for i, u in enumerate(updates):
@@ -408,12 +427,8 @@ class Muon(Optimizer):
         # Attributes, not group keys: a process group or a function would not survive state_dict().
         self.process_group = process_group
         self.orthogonalize_fn = orthogonalize_fn
-        if orthogonalize_fn is not None and not takes_precondition(orthogonalize_fn):
-            aol = sorted({g["ns_precondition"] for g in self.param_groups} - {DEFAULT_NS_PRECONDITION})
-            if aol:
-                raise ValueError(f"ns_precondition={aol[0]!r} needs an orthogonalize_fn that takes the keyword "
-                                 f"'precondition'; {orthogonalize_fn!r} has the 4-argument signature: add the "
-                                 f"keyword or leave ns_precondition at {DEFAULT_NS_PRECONDITION!r}")
+        for group in self.param_groups:  # refused now, not at the first step
+            with_precondition(orthogonalize_fn, group["ns_precondition"])
         self.skipped_steps = 0
         self.exchange_stats = ExchangeStats()
         self.telemetry_enabled = telemetry

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .cost import LAYOUTS, Plan, plan, shapes_tensors
+from .cost import DEFAULT_NS_STEPS, LAYOUTS, Plan, plan, shapes_tensors
 from .model import ModelTensors, load_model_tensors, preset_names
 from .presets import CPU, Accelerator, accelerator, interconnect, with_peak
 
@@ -68,8 +68,8 @@ def plan_tensors(tensors: ModelTensors, layout: str, worlds: list[int], accelera
             if threads not in measured:
                 from .measure import measure_cpu
 
-                measured[threads] = measure_cpu(_matrix_shapes(tensors), options.get("ns_steps", 5), run_dtype,
-                                                threads)
+                steps = options.get("ns_steps", DEFAULT_NS_STEPS)
+                measured[threads] = measure_cpu(_matrix_shapes(tensors), steps, run_dtype, threads)
             rank_device = measured[threads]
         else:
             rank_device = device

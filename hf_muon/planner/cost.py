@@ -28,7 +28,7 @@ import torch
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, exchange_volume
 from ..distributed.layout import TensorLayout, flat_sharded, group_flat_sharded, replicated, row_sharded
 from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
-from ..kernels.newton_schulz import orthogonalize_flops
+from ..kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps, orthogonalize_flops
 from .model import ModelTensors, PlanTensor
 from .presets import Accelerator, Interconnect
 
@@ -46,6 +46,7 @@ MUON_BYTES_PER_ELEMENT = 40
 # AdamW: gradient read (4), both moments read + written (16), parameter read + written (8).
 ADAMW_BYTES_PER_ELEMENT = 28
 STATE_ITEMSIZE = 4  # optimizer states are fp32
+DEFAULT_NS_STEPS = default_ns_steps(DEFAULT_NS_PRECONDITION)  # what Muon runs unless told
 
 
 @dataclass
@@ -148,7 +149,8 @@ def _held(layout: str, numel: int, world: int) -> float:
 
 
 def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, link: Interconnect, *,
-         ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16, comm_dtype: torch.dtype = torch.float32,
+         ns_steps: int = DEFAULT_NS_STEPS, ns_dtype: torch.dtype = torch.bfloat16,
+         comm_dtype: torch.dtype = torch.float32,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = 2, grad_bytes: int = 2,
          matmul_efficiency: float | None = None, plan_dtype: torch.dtype | None = None,
          overlap: bool = True) -> Plan:

@@ -24,7 +24,7 @@ from torch import nn
 
 from hf_muon import Muon
 from hf_muon.distributed import sharding
-from same_answer import MODELS, build, loss_fn, sharded_units, train, write_and_shut_down
+from same_answer import MODELS, build, loss_fn, train, wrap, write_and_shut_down
 from zero_same_answer import BATCH, zero_config
 
 STEPS = 3
@@ -59,18 +59,8 @@ def failing_newton_schulz(rank: int, fail_on_rank: int):
 
 def train_torch(backend: str, base: nn.Module, batches, rank: int, world: int, **muon) -> tuple[list[torch.Tensor], Muon]:
     model = copy.deepcopy(base)
-    if backend == "ddp":
-        opt = Muon(model, **muon)
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for module in sharded_units(model):
-            fully_shard(module, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
-        opt = Muon(model, **muon)
+    wrapped = wrap(backend, model, world)
+    opt = Muon(model, **muon)
     train(wrapped, opt, batches, 1, rank, world)
     return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in model.parameters()], opt
 

@@ -85,6 +85,20 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
             and type(m).__name__ != "Block"]
 
 
+def wrap(backend: str, model: nn.Module, world: int) -> nn.Module:
+    """``model`` under DDP, or sharded by FSDP2 (each of ``sharded_units`` then the root) over ``world``
+    ranks. Build the optimizer on ``model`` afterwards: under FSDP2 it must see the DTensors."""
+    if backend == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for module in sharded_units(model):
+        fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def matrices_per_step(opt) -> int:
     """Newton–Schulz runs one optimizer step makes: one per Muon tensor, one per block of a fused one."""
     tensors = sum(len(t) for g, t in zip(opt.param_groups, opt._group_tensors) if g["algorithm"] == "muon")
@@ -165,18 +179,8 @@ def main() -> None:
         opt_kwargs["process_group"] = dist.new_group(list(range(world)))
     elif args.process_group == "per_rank":  # every rank creates every group, in the same order
         opt_kwargs["process_group"] = [dist.new_group([r]) for r in range(world)][rank]
-    if args.backend == "ddp":
-        opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for module in sharded_units(model):
-            fully_shard(module, mesh=mesh)
-        wrapped = fully_shard(model, mesh=mesh)
-        opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
+    wrapped = wrap(args.backend, model, world)
+    opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
     train(wrapped, opt, batches, args.accumulation, rank, world)
 
     worst = 0.0
