@@ -521,6 +521,30 @@ def gloo_world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+def test_exchange_is_planned_once_until_its_tensors_change(gloo_world_of_one, monkeypatch):
+    from hf_muon.optimizer import muon
+
+    plans = []
+    real = muon.make_exchange
+    monkeypatch.setattr(muon, "make_exchange", lambda params, *a, **k: plans.append(len(params)) or real(params, *a, **k))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = Muon(model, lr=1e-2)
+    muon_groups = sum(g["algorithm"] == "muon" for g in opt.param_groups)
+    _train(model, opt, [torch.randn(5, 8) for _ in range(3)])
+    assert len(plans) == muon_groups  # planned at the first step, then reused
+    model[2].weight.requires_grad_(False)  # the group's tensors with gradients change: planned again
+    model[2].weight.grad = None
+    _train(model, opt, [torch.randn(5, 8) for _ in range(2)])
+    assert len(plans) == muon_groups + 1 and plans[-1] == plans[0] - 1
+    opt.param_groups[0]["ns_steps"] = 4  # a setting the plan costs changes: planned again
+    _train(model, opt, [torch.randn(5, 8)])
+    assert len(plans) == muon_groups + 2
+    opt.exchange_stats = type(opt.exchange_stats)()  # counters reset: the exchange counts into the new ones
+    _train(model, opt, [torch.randn(5, 8)])
+    assert len(plans) == muon_groups + 3
+
+
 def test_process_group_is_used_for_replicated_parameters(gloo_world_of_one, monkeypatch):
     from hf_muon.optimizer import muon
 

@@ -411,6 +411,8 @@ class Muon(Optimizer):
         self._partitions: dict[tuple[int, int, int], tuple[Tensor, FlatPartition]] = {}
         # per flat partition and plan: (its exchange, its tensors' shapes, their blocks)
         self._partition_exchanges: dict[tuple, tuple[Exchange, list, list]] = {}
+        # per Muon group of whole or FSDP2 tensors: (what its plan depends on, its exchange or None)
+        self._group_exchanges: dict[int, tuple[tuple, Exchange | None]] = {}
         # state read from a portable checkpoint, put into flat partitions' state as step() creates it
         self._pending_state: PendingState | None = None
         # Fused projections' blocks, by the model tensor (see hf_muon.models.fused); each group's list
@@ -659,15 +661,30 @@ class Muon(Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         exchange = None
         if self.distributed:
-            exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
-                                     self.bucket_bytes, self.comm_dtype, plan_ns_dtype(group["ns_dtype"]),
-                                     self.process_group, overlap=self.overlap_exchange)
+            exchange = self._group_exchange(group, with_grad)
         replicated = exchange is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._apply_muon(
             group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
             [local(self.state[p]["momentum_buffer"]) for p in with_grad], [tuple(p.shape) for p in with_grad],
             exchange, blocks, (group["matrices_index"], None), replicated,
         )
+
+    def _group_exchange(self, group: dict, with_grad: list[Tensor]) -> Exchange | None:
+        """The group's exchange, planned again only when what the plan depends on changes (the
+        tensors that have gradients, the settings): planning every step cost tenths of a second at
+        scale."""
+        plan_dtype = plan_ns_dtype(group["ns_dtype"])
+        depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p)) for p in with_grad), group["stacked"],
+                      group["ns_steps"], plan_dtype, self.bucket_bytes, self.comm_dtype, self.overlap_exchange,
+                      self.process_group, id(self.exchange_stats))
+        index = group["matrices_index"]
+        planned = self._group_exchanges.get(index)
+        if planned is None or planned[0] != depends_on:
+            exchange = make_exchange(with_grad, group["stacked"], group["ns_steps"], self.exchange_stats,
+                                     self.bucket_bytes, self.comm_dtype, plan_dtype, self.process_group,
+                                     overlap=self.overlap_exchange)
+            planned = self._group_exchanges[index] = (depends_on, exchange)
+        return planned[1]
 
     def _flat_partition_step(self, group: dict, flats: list[Tensor]) -> None:
         """A backend (DeepSpeed ZeRO) handed over flat partitions: update each matrix's piece in place.
@@ -686,7 +703,8 @@ class Muon(Optimizer):
 
             # The layout never changes, so neither do the owner plan, the shapes and the blocks: read them once.
             plan_dtype = plan_ns_dtype(group["ns_dtype"])
-            plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange)
+            plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange, self.bucket_bytes,
+                        self.comm_dtype, id(self.exchange_stats))
             if plan_key not in self._partition_exchanges:
                 self._partition_exchanges[plan_key] = (
                     exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],

@@ -20,6 +20,7 @@ from torch import nn
 from hf_muon import Muon
 from hf_muon.distributed.plan import assign_owners, ns_load
 from hf_muon.distributed.sharding import layouts_of
+from hf_muon.optimizer import muon as muon_module
 
 
 class Block(nn.Module):
@@ -156,6 +157,8 @@ def main() -> None:
     # no exchange, every rank orthogonalizes every matrix)
     parser.add_argument("--process_group", choices=["default", "new_group", "per_rank"], default="default")
     parser.add_argument("--model", choices=MODELS, default="block")
+    # "per_tensor": one param group per parameter (as a user's per-layer learning rates make)
+    parser.add_argument("--groups", choices=["model", "per_tensor"], default="model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
@@ -167,9 +170,12 @@ def main() -> None:
     # single-process runs agree to fp32 round-off, and any larger gap is a bug in the exchange.
     opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
+    def params_of(model: nn.Module):
+        return model if args.groups == "model" else [{"params": [p]} for p in model.parameters()]
+
     reference = copy.deepcopy(base)
-    train(reference, Muon(reference, distributed=False, **opt_kwargs), batches, reference_accumulation(args.model, world,
-          args.accumulation), 0, 1)
+    train(reference, Muon(params_of(reference), distributed=False, **opt_kwargs), batches,
+          reference_accumulation(args.model, world, args.accumulation), 0, 1)
 
     model = copy.deepcopy(base)
     comm_dtype = getattr(torch, args.comm_dtype) if args.comm_dtype else None
@@ -180,7 +186,15 @@ def main() -> None:
     elif args.process_group == "per_rank":  # every rank creates every group, in the same order
         opt_kwargs["process_group"] = [dist.new_group([r]) for r in range(world)][rank]
     wrapped = wrap(args.backend, model, world)
-    opt = Muon(model, comm_dtype=comm_dtype, **opt_kwargs)
+    opt = Muon(params_of(model), comm_dtype=comm_dtype, **opt_kwargs)
+    plans = {"n": 0}
+    real_make_exchange = muon_module.make_exchange
+
+    def counting_make_exchange(*a, **k):
+        plans["n"] += 1
+        return real_make_exchange(*a, **k)
+
+    muon_module.make_exchange = counting_make_exchange
     train(wrapped, opt, batches, args.accumulation, rank, world)
 
     worst = 0.0
@@ -201,7 +215,8 @@ def main() -> None:
         "ns_matrices": matrices_per_step(opt),
         "max_rel_diff": [g[0].item() for g in gathered], "ns_calls": [g[1].item() for g in gathered],
         "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
-        "ns_flops_per_rank": load,
+        "ns_flops_per_rank": load, "muon_groups": sum(g["algorithm"] == "muon" for g in opt.param_groups),
+        "exchange_plans": plans["n"],
     })
 
 
