@@ -157,7 +157,8 @@ def main() -> None:
     # no exchange, every rank orthogonalizes every matrix)
     parser.add_argument("--process_group", choices=["default", "new_group", "per_rank"], default="default")
     parser.add_argument("--model", choices=MODELS, default="block")
-    # "per_tensor": one param group per parameter (as a user's per-layer learning rates make)
+    # "per_tensor": one param group per parameter (as a user's per-layer learning rates make), every
+    # other matrix's with 4 Newton–Schulz steps
     parser.add_argument("--groups", choices=["model", "per_tensor"], default="model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -171,7 +172,11 @@ def main() -> None:
     opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
     def params_of(model: nn.Module):
-        return model if args.groups == "model" else [{"params": [p]} for p in model.parameters()]
+        if args.groups == "model":
+            return model
+        # every other matrix with 4 Newton–Schulz steps: two families of groups, two exchanges
+        return [{"params": [p], **({"ns_steps": 4} if p.ndim > 1 and i % 2 else {})}
+                for i, p in enumerate(model.parameters())]
 
     reference = copy.deepcopy(base)
     train(reference, Muon(params_of(reference), distributed=False, **opt_kwargs), batches,
