@@ -521,6 +521,38 @@ def gloo_world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.filterwarnings("ignore:hf_muon.Muon got tensors without their model")
+def test_groups_with_the_same_newton_schulz_settings_share_batches():
+    from hf_muon.kernels import orthogonalize
+
+    batches = []
+
+    def counting(G, *a, **k):
+        batches.append(tuple(G.shape))
+        return orthogonalize(G, *a, **k)
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16, bias=False) for _ in range(3)] + [nn.Linear(16, 8, bias=False)]
+    reference = copy.deepcopy(layers)
+    # per-layer learning rates; the last group orthogonalizes with 4 steps
+    settings = [dict(lr=0.01), dict(lr=0.02), dict(lr=0.03), dict(lr=0.02, ns_steps=4)]
+    opt = Muon([{"params": [layer.weight], **kw} for layer, kw in zip(layers, settings)],
+               ns_dtype=torch.float32, orthogonalize_fn=counting, weight_decay=0.1)
+    alone = [Muon([layer.weight], ns_dtype=torch.float32, weight_decay=0.1, **kw) for layer, kw in zip(reference, settings)]
+    for step in range(2):
+        x = torch.randn(5, 16)
+        for group_layers, optimizers in ((layers, [opt]), (reference, alone)):
+            for o in optimizers:
+                o.zero_grad()
+            sum(layer(x).pow(2).mean() for layer in group_layers).backward()
+            for o in optimizers:
+                o.step()
+    # one batch of the three 16x16 matrices (three groups), one for the 4-step group's, per step
+    assert sorted(batches) == sorted([(3, 16, 16), (1, 8, 16)] * 2)
+    for layer, ref in zip(layers, reference):
+        torch.testing.assert_close(layer.weight, ref.weight, rtol=1e-5, atol=1e-6)
+
+
 def test_exchange_is_planned_once_until_its_tensors_change(gloo_world_of_one, monkeypatch):
     from hf_muon.optimizer import muon
 

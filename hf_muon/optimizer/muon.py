@@ -202,15 +202,18 @@ def block_lr_scales(shape: tuple[int, ...], blocks: Blocks, rule: str) -> tuple[
 
 class MuonUpdate:
     """One Muon step on a list of tensors, cut where an exchange may come in: :meth:`prepare` moves the
-    momentum and blends it (element-wise), :meth:`newton_schulz` orthogonalizes whole tensors, and
-    :meth:`apply` adds the result to the parameters. :func:`muon_update` runs the three in a row;
-    :func:`orthogonalize_updates` runs several groups' Newton–Schulz through one exchange."""
+    momentum and blends it (element-wise), :func:`orthogonalize_updates` runs the Newton–Schulz of one
+    or more updates (locally or through one exchange), and :meth:`apply` adds the result to the
+    parameters. :func:`muon_update` runs the three for one update."""
 
     def __init__(self, params: list[Tensor], blended: list[Tensor], scales: list[float],
                  relative: list[list[float] | None], settings: dict[str, Any], blocks: list[Blocks | None],
                  figures: StepFigures | None) -> None:
         self.params, self.blended, self.scales, self.relative = params, blended, scales, relative
         self.settings, self.blocks, self.figures = settings, blocks, figures
+        # updates with equal keys run their Newton–Schulz in shared batches
+        self.ns_key = (*(settings[k] for k in ("stacked", "ns_steps", "ns_coefficients", "ns_dtype", "ns_precondition")),
+                       id(settings["orthogonalize_fn"]))
 
     @classmethod
     def prepare(
@@ -242,18 +245,6 @@ class MuonUpdate:
                         orthogonalize_fn=orthogonalize_fn)
         return cls(params, list(blended), scales, relative, settings, blocks, figures)
 
-    def newton_schulz(self, whole: list[Tensor], which: list[int]) -> list[Tensor]:
-        """Whole tensors ``which`` (indices into ``params``) -> their orthogonalized updates."""
-        s, figures = self.settings, self.figures
-        watch = Stopwatch(whole[0].device) if figures is not None and whole else None
-        out = orthogonalize_all(whole, s["stacked"], s["ns_steps"], s["ns_coefficients"], s["ns_dtype"],
-                                s["orthogonalize_fn"], [self.blocks[i] for i in which],
-                                [self.relative[i] for i in which], [(s["lr"] * self.scales[i]) ** 2 for i in which],
-                                figures.add_batch if figures else None, s["ns_precondition"])
-        if watch is not None:
-            figures.watches.append(watch.stop())
-        return out
-
     def apply(self, ortho: list[Tensor]) -> None:
         """Decay the parameters and add ``-lr * scale`` times their orthogonalized updates."""
         lr, weight_decay = self.settings["lr"], self.settings["weight_decay"]
@@ -273,27 +264,47 @@ class MuonUpdate:
             torch._foreach_add_(ps, os_, alpha=-lr * scale)
 
 
+def _newton_schulz(which: list[tuple[MuonUpdate, int]], whole: list[Tensor]) -> list[Tensor]:
+    """``whole[j]``, the whole tensor of update ``which[j][0]``'s tensor ``which[j][1]``, orthogonalized;
+    all the updates share one ``ns_key``, so same-shape matrices of all of them share a batch. The
+    first update's telemetry figures record them all (the figures are summed over updates)."""
+    first = which[0][0]
+    s, figures = first.settings, first.figures
+    watch = Stopwatch(whole[0].device) if figures is not None else None
+    out = orthogonalize_all(whole, s["stacked"], s["ns_steps"], s["ns_coefficients"], s["ns_dtype"],
+                            s["orthogonalize_fn"], [u.blocks[i] for u, i in which], [u.relative[i] for u, i in which],
+                            [(u.settings["lr"] * u.scales[i]) ** 2 for u, i in which],
+                            figures.add_batch if figures else None, s["ns_precondition"])
+    if watch is not None:
+        figures.watches.append(watch.stop())
+    return out
+
+
 def orthogonalize_updates(updates: list[MuonUpdate], exchange: Exchange | None = None) -> list[list[Tensor]]:
-    """Each update's blended tensors orthogonalized: locally, or all of them through one ``exchange``
-    (one owner plan, one pipeline of collectives), each tensor with its own update's settings."""
-    if exchange is None:
-        return [u.newton_schulz(u.blended, list(range(len(u.blended)))) for u in updates]
-    offsets = [0]
-    for u in updates:
-        offsets.append(offsets[-1] + len(u.blended))
+    """Each update's blended tensors orthogonalized, each with its own update's settings: locally, or
+    all of them through one ``exchange`` (one owner plan, one pipeline of collectives). Updates with
+    the same Newton–Schulz settings share batches."""
+    owner = [(u, i) for u in updates for i in range(len(u.blended))]
 
     def newton_schulz(whole: list[Tensor], which: list[int]) -> list[Tensor]:
         out: list[Tensor] = [None] * len(which)  # type: ignore[list-item]
-        for k, u in enumerate(updates):
-            mine = [j for j, i in enumerate(which) if offsets[k] <= i < offsets[k + 1]]
-            if mine:
-                done = u.newton_schulz([whole[j] for j in mine], [which[j] - offsets[k] for j in mine])
-                for j, o in zip(mine, done):
-                    out[j] = o
+        by_settings: dict[tuple, list[int]] = {}
+        for j, i in enumerate(which):
+            by_settings.setdefault(owner[i][0].ns_key, []).append(j)
+        for positions in by_settings.values():
+            done = _newton_schulz([owner[which[j]] for j in positions], [whole[j] for j in positions])
+            for j, o in zip(positions, done):
+                out[j] = o
         return out
 
-    ortho = exchange([b for u in updates for b in u.blended], newton_schulz)
-    return [ortho[offsets[k]:offsets[k + 1]] for k in range(len(updates))]
+    blended = [b for u in updates for b in u.blended]
+    ortho = exchange(blended, newton_schulz) if exchange is not None else (
+        newton_schulz(blended, list(range(len(blended)))) if blended else [])
+    out, start = [], 0
+    for u in updates:
+        out.append(ortho[start:start + len(u.blended)])
+        start += len(u.blended)
+    return out
 
 
 def muon_update(
@@ -720,7 +731,7 @@ class Muon(Optimizer):
         stacking) share one exchange: one plan and one pipeline of collectives for all of them. Groups
         one after another would each wait for their busiest owner, so one group per layer (per-layer
         learning rates) of Llama-3-8B at 64 ranks would put 123 TFLOP of Newton–Schulz on the step's
-        critical path instead of 8."""
+        critical path instead of 8. In one process they share Newton–Schulz batches the same way."""
         families: dict[tuple, list[tuple[dict, list[Tensor], list[Blocks | None]]]] = {}
         for group, with_grad, blocks in groups:
             for p in with_grad:
@@ -735,7 +746,7 @@ class Muon(Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             mesh = next((id(p.device_mesh) for p in with_grad if is_dtensor(p)), None)
             family = (group["stacked"], group["ns_steps"], plan_ns_dtype(group["ns_dtype"]), mesh)
-            families.setdefault(family if self.distributed else (id(group),), []).append((group, with_grad, blocks))
+            families.setdefault(family, []).append((group, with_grad, blocks))
         for family, members in families.items():
             tensors = [p for _, with_grad, _ in members for p in with_grad]
             exchange = self._exchange_for(family, members[0][0], tensors) if self.distributed and tensors else None
