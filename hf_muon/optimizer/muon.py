@@ -284,15 +284,15 @@ def orthogonalize_updates(updates: list[MuonUpdate], exchange: Exchange | None =
     """Each update's blended tensors orthogonalized, each with its own update's settings: locally, or
     all of them through one ``exchange`` (one owner plan, one pipeline of collectives). Updates with
     the same Newton–Schulz settings share batches."""
-    owner = [(u, i) for u in updates for i in range(len(u.blended))]
+    source = [(u, i) for u in updates for i in range(len(u.blended))]  # (update, its tensor) of each
 
     def newton_schulz(whole: list[Tensor], which: list[int]) -> list[Tensor]:
         out: list[Tensor] = [None] * len(which)  # type: ignore[list-item]
         by_settings: dict[tuple, list[int]] = {}
         for j, i in enumerate(which):
-            by_settings.setdefault(owner[i][0].ns_key, []).append(j)
+            by_settings.setdefault(source[i][0].ns_key, []).append(j)
         for positions in by_settings.values():
-            done = _newton_schulz([owner[which[j]] for j in positions], [whole[j] for j in positions])
+            done = _newton_schulz([source[which[j]] for j in positions], [whole[j] for j in positions])
             for j, o in zip(positions, done):
                 out[j] = o
         return out
