@@ -70,6 +70,19 @@ def test_param_groups_share_one_exchange(tmp_path, backend):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_stacked_experts_share_the_exchange(tmp_path, backend):
+    """Mixtral (transformers 5 stacks each layer's experts in one tensor: a param group of its own):
+    the stacked group and the plain matrices' group share one exchange, each expert is orthogonalized
+    once, and the answer is the single process's."""
+    r = run_same_answer(tmp_path, backend, "--model", "mixtral", "--steps", "3")
+    assert max(r["max_rel_diff"]) <= 1e-5
+    assert r["stacked_groups"] >= 1 and r["muon_groups"] >= 2
+    assert r["exchange_plans"] == 1
+    assert min(r["ns_calls"]) > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, model", [("ddp", "gpt2"), ("fsdp2", "gpt2"), ("fsdp2", "phi3"), ("fsdp2", "neox"),
                                             ("fsdp2", "falcon")])
 def test_fused_blocks_give_the_single_process_answer(tmp_path, backend, model):

@@ -180,10 +180,19 @@ def test_mixtral_experts_by_hand():
     muon = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 4 * 64 + 4 * 3 * 96 * 64)
     assert p.muon_params == muon
     (big,) = plans(model, "zero3", [512])
-    # Muon plans each param group's owners on its own: rank 0 takes the largest tensor of each group
-    # (a q or o 64x64 and, on transformers 5, a stack of 4 gate_up experts) at once
+    # ZeRO-3: each param group's flat partition has its own exchange and owner plan, so rank 0 takes
+    # the largest tensor of each group (a q or o 64x64 and, on transformers 5, a stack of 4 gate_up
+    # experts) at once
     if hasattr(model.model.layers[0].mlp.experts, "gate_up_proj"):
         assert big.ns_flops.max == standard(64, 64) + 4 * gram(64, 192)
+        # ZeRO-3 runs the two groups' exchanges one after the other: NS time is the sum of each
+        # one's busiest owner. DDP/FSDP2 put both groups in one exchange (one owner plan), so the
+        # stack of 4 gate_up experts alone sets it.
+        (one,) = plans(model, "fsdp2", [512])
+        assert one.ns_flops.max == 4 * gram(64, 192)
+        ratio = (standard(64, 64) + 4 * gram(64, 192)) / (4 * gram(64, 192))
+        assert big.times.newton_schulz / one.times.newton_schulz == pytest.approx(ratio)
+        assert (one.buckets, big.buckets) == (1, 2)
     else:  # one group of single matrices: the largest is an expert's 64x96 (standard = Gram there)
         assert big.ns_flops.max == standard(64, 96)
 

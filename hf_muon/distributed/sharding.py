@@ -67,9 +67,11 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def layouts_of(params: list[Tensor], stacked: bool, world: int) -> list[TensorLayout]:
-    """Where each tensor's elements live: row blocks for DTensors, replicated otherwise."""
-    return [(row_sharded if is_dtensor(p) else replicated)(tuple(p.shape), stacked, world) for p in params]
+def layouts_of(params: list[Tensor], stacked: bool | list[bool], world: int) -> list[TensorLayout]:
+    """Where each tensor's elements live: row blocks for DTensors, replicated otherwise. ``stacked``:
+    whether the tensors (or each tensor) stack independent matrices on their leading dimension."""
+    flags = [stacked] * len(params) if isinstance(stacked, bool) else stacked
+    return [(row_sharded if is_dtensor(p) else replicated)(tuple(p.shape), s, world) for p, s in zip(params, flags)]
 
 
 def exchange_over(
@@ -112,7 +114,7 @@ def exchange_over(
 
 def make_exchange(
     params: list[Tensor],
-    stacked: bool,
+    stacked: bool | list[bool],
     ns_steps: int,
     stats: ExchangeStats,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -123,8 +125,9 @@ def make_exchange(
 ) -> Callable | None:
     """The exchange for whole or FSDP2-sharded ``params``, or ``None`` in a single process.
 
-    Replicated ``params`` are exchanged over ``process_group`` (default: the world); ``overlap``: see
-    :func:`exchange_over`."""
+    ``stacked``: for all ``params``, or one flag per tensor (groups of stacked experts and of plain
+    matrices share an exchange). Replicated ``params`` are exchanged over ``process_group`` (default:
+    the world); ``overlap``: see :func:`exchange_over`."""
     where = process_group_of(params, process_group)
     if where is None:
         return None

@@ -727,8 +727,8 @@ class Muon(Optimizer):
 
     def _whole_tensors_step(self, groups: list[tuple[dict, list[Tensor], list[Blocks | None]]]) -> None:
         """The Muon groups of whole or FSDP2 tensors (with the tensors that have gradients and their
-        blocks). Groups whose owner plans cost alike (same process group, Newton–Schulz steps and dtype,
-        stacking) share one exchange: one plan and one pipeline of collectives for all of them. Groups
+        blocks). Groups whose owner plans cost alike (same process group, Newton–Schulz steps and
+        dtype; stacked experts or not) share one exchange: one plan and one pipeline of collectives for all of them. Groups
         one after another would each wait for their busiest owner, so one group per layer (per-layer
         learning rates) of Llama-3-8B at 64 ranks would put 123 TFLOP of Newton–Schulz on the step's
         critical path instead of 8. In one process they share Newton–Schulz batches the same way."""
@@ -745,11 +745,11 @@ class Muon(Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             mesh = next((id(p.device_mesh) for p in with_grad if is_dtensor(p)), None)
-            family = (group["stacked"], group["ns_steps"], plan_ns_dtype(group["ns_dtype"]), mesh)
+            family = (group["ns_steps"], plan_ns_dtype(group["ns_dtype"]), mesh)
             families.setdefault(family, []).append((group, with_grad, blocks))
         for family, members in families.items():
             tensors = [p for _, with_grad, _ in members for p in with_grad]
-            exchange = self._exchange_for(family, members[0][0], tensors) if self.distributed and tensors else None
+            exchange = self._exchange_for(family, members) if self.distributed and tensors else None
             replicated = exchange is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             self._apply_muon(
                 [(group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
@@ -758,19 +758,22 @@ class Muon(Optimizer):
                 exchange, replicated,
             )
 
-    def _exchange_for(self, family: tuple, group: dict, tensors: list[Tensor]) -> Exchange | None:
-        """The exchange for ``tensors`` (a family of groups' that have gradients, planned with
-        ``group``'s settings), planned again only when what the plan depends on changes (the tensors,
-        the settings): planning every step cost tenths of a second at scale."""
+    def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None]]]
+                      ) -> Exchange | None:
+        """The exchange for a family of groups' tensors that have gradients (``members`` as
+        :meth:`_whole_tensors_step` has them), planned again only when what the plan depends on
+        changes (the tensors, the settings): planning every step cost tenths of a second at scale."""
+        group = members[0][0]
+        tensors = [p for _, with_grad, _ in members for p in with_grad]
+        stacked = [g["stacked"] for g, with_grad, _ in members for _ in with_grad]
         plan_dtype = plan_ns_dtype(group["ns_dtype"])
-        depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p)) for p in tensors), group["stacked"],
+        depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p), s) for p, s in zip(tensors, stacked)),
                       group["ns_steps"], plan_dtype, self.bucket_bytes, self.comm_dtype, self.overlap_exchange,
                       self.process_group, id(self.exchange_stats))
         planned = self._group_exchanges.get(family)
         if planned is None or planned[0] != depends_on:
-            exchange = make_exchange(tensors, group["stacked"], group["ns_steps"], self.exchange_stats,
-                                     self.bucket_bytes, self.comm_dtype, plan_dtype, self.process_group,
-                                     overlap=self.overlap_exchange)
+            exchange = make_exchange(tensors, stacked, group["ns_steps"], self.exchange_stats, self.bucket_bytes,
+                                     self.comm_dtype, plan_dtype, self.process_group, overlap=self.overlap_exchange)
             planned = self._group_exchanges[family] = (depends_on, exchange)
         return planned[1]
 

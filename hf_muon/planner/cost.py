@@ -6,8 +6,11 @@ rules as ``orthogonalize_distributed``) and the kernel's FLOP model (``orthogona
 
 Time model (one optimizer step; forward/backward are not modelled):
 
-* Newton–Schulz: the busiest rank's FLOPs / (matmul peak in the NS dtype x ``MATMUL_EFFICIENCY``);
-  a measured rate (``cpu``) is used as is.
+* Newton–Schulz: per exchange, the busiest owner's FLOPs / (matmul peak in the NS dtype x
+  ``MATMUL_EFFICIENCY``; a measured rate (``cpu``) is used as is), summed over the step's exchanges.
+  Exchanges run one after another: under DDP and FSDP2 all Muon param groups share one (``Muon``
+  plans them together); under ZeRO each param group's flat partition has its own (ZeRO-3 also cuts
+  groups into ``sub_group_size`` sub-groups, one exchange each, which is not modelled).
 * exchange: per ``all_to_all``, the most bytes one rank sends or receives / link bandwidth, plus the
   link's per-call latency, summed over calls.
 * element-wise: bytes the update formulas move (``MUON_BYTES_PER_ELEMENT``...) / memory bandwidth.
@@ -148,6 +151,15 @@ def _held(layout: str, numel: int, world: int) -> float:
     return float(numel) if layout == "ddp" else float(math.ceil(numel / world))
 
 
+def _exchanges(layout: str, tensors: ModelTensors) -> list[list[list[PlanTensor]]]:
+    """The Muon param groups each of the step's exchanges carries: all of them in one under DDP and
+    FSDP2 (one owner plan, as ``Muon`` makes for groups with the same Newton–Schulz settings), one per
+    group under ZeRO (DeepSpeed hands each group over as its own flat partition)."""
+    if layout in ("ddp", "fsdp2"):
+        return [tensors.muon_groups]
+    return [[group] for group in tensors.muon_groups]
+
+
 def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, link: Interconnect, *,
          ns_steps: int = DEFAULT_NS_STEPS, ns_dtype: torch.dtype = torch.bfloat16,
          comm_dtype: torch.dtype = torch.float32,
@@ -188,14 +200,19 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     muon_held = [0] * world
     collectives: list[int] = []
     buckets = matrices = 0
-    for group in tensors.muon_groups:  # Muon exchanges each param group on its own
-        layouts = _layouts(layout, group, world)
+    busiest_owners = 0.0  # summed over the exchanges, which run one after another
+    for groups in _exchanges(layout, tensors):
+        layouts = [lay for group in groups for lay in _layouts(layout, group, world)]
+        carried = [t for group in groups for t in group]
         owners = assign_owners(layouts, world, ns_steps, plan_dtype or ns_dtype)
-        for t, lay, owner in zip(group, layouts, owners):
-            flops[owner] += executed_flops(t, lay, ns_steps, ns_dtype)
+        exchange_flops = [0.0] * world
+        for t, lay, owner in zip(carried, layouts, owners):
+            exchange_flops[owner] += executed_flops(t, lay, ns_steps, ns_dtype)
             matrices += len(t.blocks) if t.blocks is not None else lay.matrix_shape[0]
             for r, (start, end) in enumerate(lay.ranges):
                 muon_held[r] += end - start
+        flops = [a + b for a, b in zip(flops, exchange_flops)]
+        busiest_owners += max(exchange_flops)
         buckets_of_group = plan_buckets(layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
                                         PIPELINE_BUCKETS if overlap else 1, plan_dtype or ns_dtype)
         volume = exchange_volume(layouts, owners, world, comm_itemsize, buckets_of_group, STATE_ITEMSIZE)
@@ -212,7 +229,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     adamw_state = [STATE_ITEMSIZE * 2 * a for a in adamw_everything]
 
     rate = (device.fp32_flops if ns_dtype in (torch.float32, torch.float64) else device.bf16_flops) * efficiency
-    ns_s = max(flops) / rate
+    ns_s = busiest_owners / rate
     exchange_s = sum(b / link.bandwidth + link.latency for b in collectives)
     elementwise_s = max(MUON_BYTES_PER_ELEMENT * m + ADAMW_BYTES_PER_ELEMENT * adamw_held
                         for m in muon_held) / device.memory_bandwidth
@@ -226,7 +243,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     notes = []
     if busy < world:
         notes.append(f"{world - busy} of {world} ranks run no Newton–Schulz: {len(tensors.muon_tensors)} Muon tensors "
-                     f"({matrices} matrices) cannot keep more than {busy} owners busy; NS time is the busiest owner's")
+                     f"({matrices} matrices) cannot keep more than {busy} owners busy; NS time is the busiest "
+                     "owner's (of each exchange)")
     if max(buffers) > 0.25 * device.memory_bytes > 0:
         notes.append(f"the exchange's temporary buffers reach {max(buffers) / 2**30:.1f} GiB on one rank "
                      f"({100 * max(buffers) / device.memory_bytes:.0f}% of a {device.name}'s memory); "

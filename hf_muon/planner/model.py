@@ -29,8 +29,8 @@ class PlanTensor:
 
 @dataclass
 class ModelTensors:
-    """A model as the optimizer sees it: Muon param groups (each exchanged on its own, as ``Muon``
-    does per group) and the AdamW parameters' sizes."""
+    """A model as the optimizer sees it: Muon param groups (ZeRO exchanges each on its own, DDP and
+    FSDP2 all of them in one; see ``cost._exchanges``) and the AdamW parameters' sizes."""
 
     name: str
     muon_groups: list[list[PlanTensor]]

@@ -45,13 +45,14 @@ class Block(nn.Module):
         return self.head(self.norm(h))
 
 
-MODELS = ("block", "gpt2", "phi3", "neox", "falcon")
+MODELS = ("block", "gpt2", "phi3", "neox", "falcon", "mixtral")
 
 
 def build(name: str) -> nn.Module:
     """``block`` (the mixed shapes above) or a tiny model with fused projections that the optimizer
     orthogonalizes block by block: ``gpt2`` (q | k | v columns of a Conv1D), ``phi3`` (q | k | v rows
-    of GQA sizes, gate | up), ``neox`` (q, k, v interleaved per head), ``falcon`` (per kv group)."""
+    of GQA sizes, gate | up), ``neox`` (q, k, v interleaved per head), ``falcon`` (per kv group);
+    or ``mixtral`` (stacked experts on transformers 5: a param group of their own)."""
     if name == "block":
         return Block()
     import transformers as T
@@ -66,6 +67,9 @@ def build(name: str) -> nn.Module:
                                         intermediate_size=96, **common),
         "falcon": lambda: T.FalconConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
                                          new_decoder_architecture=True, **common),
+        "mixtral": lambda: T.MixtralConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2, **common),
     }
     return T.AutoModelForCausalLM.from_config(configs[name]())
 
@@ -82,8 +86,12 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards on their own before the root."""
     if isinstance(model, Block):
         return [model.q, model.kv, model.up, model.down, model.conv]
-    return [m for m in model.modules() if type(m).__name__.endswith(("Block", "DecoderLayer", "Layer"))
-            and type(m).__name__ != "Block"]
+    units: dict[str, nn.Module] = {}  # the outermost only: Mixtral's MoE block sits inside its layer
+    for name, m in model.named_modules():
+        if type(m).__name__.endswith(("Block", "DecoderLayer", "Layer")) and type(m).__name__ != "Block" \
+                and not any(name.startswith(outer + ".") for outer in units):
+            units[name] = m
+    return list(units.values())
 
 
 def wrap(backend: str, model: nn.Module, world: int) -> nn.Module:
@@ -221,6 +229,7 @@ def main() -> None:
         "max_rel_diff": [g[0].item() for g in gathered], "ns_calls": [g[1].item() for g in gathered],
         "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
         "ns_flops_per_rank": load, "muon_groups": sum(g["algorithm"] == "muon" for g in opt.param_groups),
+        "stacked_groups": sum(g["algorithm"] == "muon" and g["stacked"] for g in opt.param_groups),
         "exchange_plans": plans["n"],
     })
 
