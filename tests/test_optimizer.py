@@ -538,7 +538,8 @@ def test_groups_with_the_same_newton_schulz_settings_share_batches():
     settings = [dict(lr=0.01), dict(lr=0.02), dict(lr=0.03), dict(lr=0.02, ns_steps=4)]
     opt = Muon([{"params": [layer.weight], **kw} for layer, kw in zip(layers, settings)],
                ns_dtype=torch.float32, orthogonalize_fn=counting, weight_decay=0.1)
-    alone = [Muon([layer.weight], ns_dtype=torch.float32, weight_decay=0.1, **kw) for layer, kw in zip(reference, settings)]
+    alone = [Muon([layer.weight], ns_dtype=torch.float32, weight_decay=0.1, **kw)
+             for layer, kw in zip(reference, settings)]
     for step in range(2):
         x = torch.randn(5, 16)
         for group_layers, optimizers in ((layers, [opt]), (reference, alone)):
@@ -558,7 +559,8 @@ def test_exchange_is_planned_once_until_its_tensors_change(gloo_world_of_one, mo
 
     plans = []
     real = muon.make_exchange
-    monkeypatch.setattr(muon, "make_exchange", lambda params, *a, **k: plans.append(len(params)) or real(params, *a, **k))
+    monkeypatch.setattr(muon, "make_exchange",
+                        lambda params, *a, **k: plans.append(len(params)) or real(params, *a, **k))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = Muon(model, lr=1e-2)

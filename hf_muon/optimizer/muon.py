@@ -212,8 +212,8 @@ class MuonUpdate:
         self.params, self.blended, self.scales, self.relative = params, blended, scales, relative
         self.settings, self.blocks, self.figures = settings, blocks, figures
         # updates with equal keys run their Newton–Schulz in shared batches
-        self.ns_key = (*(settings[k] for k in ("stacked", "ns_steps", "ns_coefficients", "ns_dtype", "ns_precondition")),
-                       id(settings["orthogonalize_fn"]))
+        names = ("stacked", "ns_steps", "ns_coefficients", "ns_dtype", "ns_precondition")
+        self.ns_key = (*(settings[k] for k in names), id(settings["orthogonalize_fn"]))
 
     @classmethod
     def prepare(
@@ -728,10 +728,11 @@ class Muon(Optimizer):
     def _whole_tensors_step(self, groups: list[tuple[dict, list[Tensor], list[Blocks | None]]]) -> None:
         """The Muon groups of whole or FSDP2 tensors (with the tensors that have gradients and their
         blocks). Groups whose owner plans cost alike (same process group, Newton–Schulz steps and
-        dtype; stacked experts or not) share one exchange: one plan and one pipeline of collectives for all of them. Groups
-        one after another would each wait for their busiest owner, so one group per layer (per-layer
-        learning rates) of Llama-3-8B at 64 ranks would put 123 TFLOP of Newton–Schulz on the step's
-        critical path instead of 8. In one process they share Newton–Schulz batches the same way."""
+        dtype; stacked experts or not) share one exchange: one plan and one pipeline of collectives
+        for all of them. Groups one after another would each wait for their busiest owner, so one
+        group per layer (per-layer learning rates) of Llama-3-8B at 64 ranks would put 123 TFLOP of
+        Newton–Schulz on the step's critical path instead of 8. In one process they share
+        Newton–Schulz batches the same way."""
         families: dict[tuple, list[tuple[dict, list[Tensor], list[Blocks | None]]]] = {}
         for group, with_grad, blocks in groups:
             for p in with_grad:
@@ -750,7 +751,8 @@ class Muon(Optimizer):
         for family, members in families.items():
             tensors = [p for _, with_grad, _ in members for p in with_grad]
             exchange = self._exchange_for(family, members) if self.distributed and tensors else None
-            replicated = exchange is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            replicated = (exchange is None and dist.is_available() and dist.is_initialized()
+                          and dist.get_world_size() > 1)
             self._apply_muon(
                 [(group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
                   [local(self.state[p]["momentum_buffer"]) for p in with_grad], [tuple(p.shape) for p in with_grad],
@@ -864,11 +866,12 @@ class Muon(Optimizer):
                 ns_coefficients=group["ns_coefficients"], ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"],
                 stacked=group["stacked"], ns_precondition=group["ns_precondition"], shapes=shapes,
                 orthogonalize_fn=self.orthogonalize_fn, blocks=blocks, figures=figures))
-        sent = self.exchange_stats.bytes_sent + self.exchange_stats.bytes_received
+        stats = self.exchange_stats
+        sent = stats.bytes_sent + stats.bytes_received
         for update, ortho in zip(updates, orthogonalize_updates(updates, exchange)):
             update.apply(ortho)
         if updates and updates[0].figures is not None:  # the shared exchange's bytes, counted once
-            updates[0].figures.exchange_bytes = self.exchange_stats.bytes_sent + self.exchange_stats.bytes_received - sent
+            updates[0].figures.exchange_bytes = stats.bytes_sent + stats.bytes_received - sent
 
     def telemetry(self) -> dict[str, float]:
         """The last step's figures: ``muon/update_rms`` and ``muon/adamw_update_rms`` (RMS of each half's
