@@ -750,7 +750,7 @@ class Muon(Optimizer):
             families.setdefault(family, []).append((group, with_grad, blocks))
         for family, members in families.items():
             tensors = [p for _, with_grad, _ in members for p in with_grad]
-            exchange = self._exchange_for(family, members) if self.distributed and tensors else None
+            exchange = self._exchange_for(family, members, tensors) if self.distributed and tensors else None
             replicated = (exchange is None and dist.is_available() and dist.is_initialized()
                           and dist.get_world_size() > 1)
             self._apply_muon(
@@ -760,13 +760,13 @@ class Muon(Optimizer):
                 exchange, replicated,
             )
 
-    def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None]]]
-                      ) -> Exchange | None:
+    def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None]]],
+                      tensors: list[Tensor]) -> Exchange | None:
         """The exchange for a family of groups' tensors that have gradients (``members`` as
-        :meth:`_whole_tensors_step` has them), planned again only when what the plan depends on
-        changes (the tensors, the settings): planning every step cost tenths of a second at scale."""
+        :meth:`_whole_tensors_step` has them; ``tensors``: theirs in order), planned again only when
+        what the plan depends on changes (the tensors, the settings): planning every step cost
+        tenths of a second at scale."""
         group = members[0][0]
-        tensors = [p for _, with_grad, _ in members for p in with_grad]
         stacked = [g["stacked"] for g, with_grad, _ in members for _ in with_grad]
         plan_dtype = plan_ns_dtype(group["ns_dtype"])
         depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p), s) for p, s in zip(tensors, stacked)),
