@@ -117,6 +117,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="the exchange's dtype on the wire (Muon's comm_dtype; default: the fp32 updates)")
     p.add_argument("--bucket_mib", type=float, default=256, help="Muon's bucket_bytes in MiB (default 256)")
     p.add_argument("--ns_split", default="block", choices=["block", "head", "none"], help="as Muon's ns_split")
+    p.add_argument("--sub_group_size", type=int,
+                   help="zero3 only: DeepSpeed's \"sub_group_size\", elements of each rank's partition "
+                        "(default: DeepSpeed's, 1e9); ZeRO-3 steps each sub-group with its own exchange")
     p.add_argument("--no_overlap", action="store_true",
                    help="as Muon(overlap_exchange=False): the synchronous exchange's buckets (as few as bucket_mib allows)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON instead of tables")
@@ -135,7 +138,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                            ns_split=args.ns_split, peak_tflops=args.peak_tflops, link_gbs=args.link_gbs,
                            latency_us=args.latency_us, ns_dtype=args.ns_dtype, ns_steps=args.ns_steps,
                            comm_dtype=dtypes[args.comm_dtype], bucket_bytes=int(args.bucket_mib * 2**20),
-                           matmul_efficiency=args.matmul_efficiency, overlap=not args.no_overlap)
+                           matmul_efficiency=args.matmul_efficiency, overlap=not args.no_overlap,
+                           **({} if args.sub_group_size is None else {"sub_group_size": args.sub_group_size}))
     except ValueError as error:
         parser.exit(2, f"hf-muon plan: {error}\n")
     print(plans_json(plans) if args.json else plans_text(plans))

@@ -277,6 +277,104 @@ def test_zero3_two_ranks_prediction_from_shapes():
     assert p.times.muon_overlapped <= p.times.muon_sum
 
 
+# ---- ZeRO-3 sub-groups: DeepSpeed's own rule, by hand, and a real 2-rank run --------------------------------
+_DEEPSPEED_SUB_GROUPS = """
+import json, sys, types
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+class Param:
+    def __init__(self, index, numel):
+        self.index, self.numel = index, numel
+    def partition_numel(self):
+        return self.numel
+out = []
+for numels, size in json.load(sys.stdin):
+    params = [Param(i, n) for i, n in enumerate(numels)]
+    groups = Stage3._create_fp16_sub_groups(types.SimpleNamespace(sub_group_size=size), params)
+    out.append([[p.index for p in g] for g in groups])
+print(json.dumps(out))
+"""
+
+
+def test_zero3_sub_groups_are_deepspeeds():
+    """``zero3_sub_groups`` cuts where DeepSpeed's own ``_create_fp16_sub_groups`` does, asked in a
+    subprocess on stand-in parameters of the same per-rank partition sizes."""
+    import json
+    import random
+
+    from hf_muon.planner.cost import zero3_sub_groups
+    from hf_muon.planner.model import PlanTensor
+
+    pytest.importorskip("deepspeed")
+    gen = random.Random(0)
+    cases = []
+    for _ in range(300):
+        world = gen.choice([1, 2, 3, 8])
+        tensors = [PlanTensor(f"t{i}", (gen.randint(1, 40), gen.randint(1, 40))) for i in range(gen.randint(1, 12))]
+        numels = [math.ceil(math.prod(t.shape) / world) for t in tensors]
+        total = sum(numels)
+        # None, tiny, a boundary hit exactly (the sum of a prefix), in between, the whole group, larger
+        size = gen.choice([None, 1, sum(numels[:gen.randint(1, len(numels))]), gen.randint(1, total), total,
+                           total + 1])
+        cases.append((tensors, world, size, numels))
+    result = subprocess.run([sys.executable, "-c", _DEEPSPEED_SUB_GROUPS], input=json.dumps(
+        [(numels, size) for _, _, size, numels in cases]), capture_output=True, text=True, timeout=300,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    theirs = json.loads(result.stdout.strip().splitlines()[-1])
+    cut = 0
+    for (tensors, world, size, _), expected in zip(cases, theirs):
+        ours = [[int(t.name[1:]) for t in sub] for sub in zero3_sub_groups(tensors, world, size)]
+        assert ours == expected, (world, size, [t.shape for t in tensors])
+        cut += len(ours) > 1
+    assert cut > 100  # most cases are cut, so the rule itself is compared
+
+
+def test_zero3_sub_groups_by_hand():
+    shapes = [(64, 64)] * 4  # 2048 elements of each on each of 2 ranks
+    one = plan_for_shapes(shapes, "zero3", 2, "h100-sxm", ns_dtype="fp32")
+    assert one.exchanges == 1 and one.ns_flops.max == 2 * standard(64, 64)  # two matrices per rank
+    # 2 per sub-group (closed at 4096): each sub-group's plan gives each rank one matrix
+    pairs = plan_for_shapes(shapes, "zero3", 2, "h100-sxm", ns_dtype="fp32", sub_group_size=4096)
+    assert pairs.exchanges == 2 and pairs.ns_flops.max == 2 * standard(64, 64)
+    assert pairs.times.newton_schulz == pytest.approx(one.times.newton_schulz)
+    # all-to-alls, out and back per bucket: one exchange of 2 buckets (each owner's 2 matrices apart)
+    # against 2 exchanges of one bucket (one matrix per owner)
+    assert one.buckets == 2 and pairs.buckets == 2 and one.exchange_collectives == pairs.exchange_collectives == 4
+    # one matrix per sub-group: four plans, each with one busy owner, run one after another
+    singles = plan_for_shapes(shapes, "zero3", 2, "h100-sxm", ns_dtype="fp32", sub_group_size=2048)
+    assert singles.exchanges == 4 and singles.exchange_collectives == 8
+    assert singles.ns_flops.min + singles.ns_flops.max == 4 * standard(64, 64)
+    assert singles.times.newton_schulz == pytest.approx(2 * one.times.newton_schulz)
+    assert any("as 4 sub-groups" in note for note in singles.notes)
+    assert any("as 2 sub-groups" in note for note in pairs.notes)
+    assert not any("sub-groups" in note for note in one.notes)
+    # the size counts each rank's partition: at 4 ranks, 1024 elements each, so 4096 keeps all four together
+    assert plan_for_shapes(shapes, "zero3", 4, "h100-sxm", ns_dtype="fp32", sub_group_size=4096).exchanges == 1
+
+
+@pytest.mark.slow
+def test_zero3_sub_groups_match_a_deepspeed_run(tmp_path):
+    """DeepSpeed ZeRO-3 at 2 ranks with a small ``sub_group_size``: the exchanges, each rank's
+    Newton–Schulz FLOPs and bytes the planner predicts are those of the run; the uncut plan's are not."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "dist"))
+    from same_answer import build
+
+    from test_zero import run_zero
+
+    steps, size = 2, 4000  # Block at W=2: partitions q 1152, kv 288, up 3456 | down 3456, conv 3456 | head 1536
+    r = run_zero(tmp_path, 2, "--stages", "3", "--steps", str(steps), "--sub_group_size", str(size))["3"]
+    assert max(r["max_rel_diff"]) <= 1e-5, r
+    tensors = model_tensors(build("block"))
+    cut, = plan_tensors(tensors, "zero3", [2], "h100-sxm", "ib-400g", ns_dtype=FP32, sub_group_size=size)
+    whole, = plan_tensors(tensors, "zero3", [2], "h100-sxm", "ib-400g", ns_dtype=FP32)
+    assert r["exchanges"] == [cut.exchanges] * 2 and cut.exchanges == 3
+    per_step = sorted(f / steps for f in r["ns_flops"])
+    assert per_step == [cut.ns_flops.min, cut.ns_flops.max]
+    assert per_step != [whole.ns_flops.min, whole.ns_flops.max]  # the cut changes who owns what
+    assert [b / steps for b in r["bytes_sent"]] == [cut.exchange_sent.max] * 2
+    assert [b / steps for b in r["bytes_received"]] == [cut.exchange_received.max] * 2
+
+
 def test_many_ranks():
     (p,) = plans(tiny_llama(), "zero2", [4096])
     assert p.busy_ranks == 14 and p.world == 4096
@@ -322,6 +420,8 @@ def test_cli_llama_3_8b_zero3(tmp_path):
     (["llama-3-8b", "--layout", "zero4", "--world", "2"], "invalid choice: 'zero4'"),
     (["llama-3-8b", "--layout", "ddp", "--world", "0"], "--world sizes must be >= 1"),
     (["llama-3-8b", "--layout", "ddp", "--world", "2", "--accelerator", "tpu"], "invalid choice: 'tpu'"),
+    (["llama-3-8b", "--layout", "zero2", "--world", "2", "--sub_group_size", "1000"], "a DeepSpeed ZeRO-3 setting"),
+    (["llama-3-8b", "--layout", "zero3", "--world", "2", "--sub_group_size", "0"], "sub_group_size must be"),
 ])
 def test_cli_bad_inputs(args, message):
     result = _cli(*args)

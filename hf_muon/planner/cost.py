@@ -9,8 +9,8 @@ Time model (one optimizer step; forward/backward are not modelled):
 * Newton–Schulz: per exchange, the busiest owner's FLOPs / (matmul peak in the NS dtype x
   ``MATMUL_EFFICIENCY``; a measured rate (``cpu``) is used as is), summed over the step's exchanges.
   Exchanges run one after another: under DDP and FSDP2 all Muon param groups share one (``Muon``
-  plans them together); under ZeRO each param group's flat partition has its own (ZeRO-3 also cuts
-  groups into ``sub_group_size`` sub-groups, one exchange each, which is not modelled).
+  plans them together); under ZeRO each param group's flat partition has its own, and ZeRO-3 has one
+  per sub-group (see :func:`zero3_sub_groups`).
 * exchange: per ``all_to_all``, the most bytes one rank sends or receives / link bandwidth, plus the
   link's per-call latency, summed over calls.
 * element-wise: bytes the update formulas move (``MUON_BYTES_PER_ELEMENT``...) / memory bandwidth.
@@ -50,6 +50,8 @@ MUON_BYTES_PER_ELEMENT = 40
 ADAMW_BYTES_PER_ELEMENT = 28
 STATE_ITEMSIZE = 4  # optimizer states are fp32
 DEFAULT_NS_STEPS = default_ns_steps(DEFAULT_NS_PRECONDITION)  # what Muon runs unless told
+# DeepSpeed's default ``"zero_optimization": {"sub_group_size"}``: elements of each rank's partition.
+ZERO3_SUB_GROUP_SIZE = 1_000_000_000
 
 
 @dataclass
@@ -100,6 +102,7 @@ class Plan:
     exchange_received: Spread
     exchange_collectives: int
     buckets: int
+    exchanges: int
     backend_bytes: Spread
     backend_detail: dict[str, float]
     state_bytes: Spread
@@ -151,12 +154,36 @@ def _held(layout: str, numel: int, world: int) -> float:
     return float(numel) if layout == "ddp" else float(math.ceil(numel / world))
 
 
-def _exchanges(layout: str, tensors: ModelTensors) -> list[list[list[PlanTensor]]]:
-    """The Muon param groups each of the step's exchanges carries: all of them in one under DDP and
-    FSDP2 (one owner plan, as ``Muon`` makes for groups with the same Newton–Schulz settings), one per
-    group under ZeRO (DeepSpeed hands each group over as its own flat partition)."""
+def zero3_sub_groups(group: list[PlanTensor], world: int, sub_group_size: int | None) -> list[list[PlanTensor]]:
+    """The sub-groups DeepSpeed ZeRO-3 cuts a param group into, each stepped by its own optimizer call.
+
+    As ``DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups`` (DeepSpeed 0.19): tensors in order,
+    each counted by its partition on one rank (``ceil(numel / W)`` elements), a sub-group closed once
+    it reaches ``sub_group_size``; ``None``, or a group that fits, is one sub-group. So the size is per
+    rank: at W ranks a group of P elements is cut about ``P / (W * sub_group_size)`` times."""
+    numels = [math.ceil(math.prod(t.shape) / world) for t in group]
+    if sub_group_size is None or sub_group_size >= sum(numels):
+        return [group]
+    sub_groups, current, size = [], [], 0
+    for tensor, numel in zip(group, numels):
+        current.append(tensor)
+        size += numel
+        if size >= sub_group_size:
+            sub_groups.append(current)
+            current, size = [], 0
+    return sub_groups + ([current] if current else [])
+
+
+def _exchanges(layout: str, tensors: ModelTensors, world: int,
+               sub_group_size: int | None) -> list[list[list[PlanTensor]]]:
+    """The Muon tensors each of the step's exchanges carries (as lists of groups): all groups in one
+    under DDP and FSDP2 (one owner plan, as ``Muon`` makes for groups with the same Newton–Schulz
+    settings); one per group under ZeRO-1/2 (DeepSpeed hands each group over as its own flat
+    partition); one per sub-group under ZeRO-3 (one ``step()`` call each)."""
     if layout in ("ddp", "fsdp2"):
         return [tensors.muon_groups]
+    if layout == "zero3":
+        return [[sub] for group in tensors.muon_groups for sub in zero3_sub_groups(group, world, sub_group_size)]
     return [[group] for group in tensors.muon_groups]
 
 
@@ -165,7 +192,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
          comm_dtype: torch.dtype = torch.float32,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = 2, grad_bytes: int = 2,
          matmul_efficiency: float | None = None, plan_dtype: torch.dtype | None = None,
-         overlap: bool = True) -> Plan:
+         overlap: bool = True, sub_group_size: int | None = ZERO3_SUB_GROUP_SIZE) -> Plan:
     """The plan of ``tensors`` under ``layout`` over ``world`` ranks of ``device`` joined by ``link``.
 
     Args:
@@ -179,6 +206,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         plan_dtype: the dtype the owner plan is costed in (``plan_ns_dtype``; default ``ns_dtype``).
         overlap: the exchange's bucketing (``Muon(overlap_exchange=...)``): pipelined buckets, at least
             ``PIPELINE_BUCKETS``, or as few as ``bucket_bytes`` allows.
+        sub_group_size: ZeRO-3 only: DeepSpeed's ``"sub_group_size"`` (elements of each rank's
+            partition; default DeepSpeed's, ``None``: never cut), see :func:`zero3_sub_groups`.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
@@ -188,6 +217,12 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         raise ValueError(f"ns_steps must be >= 1, got {ns_steps}")
     if not tensors.muon_tensors:
         raise ValueError(f"{tensors.name}: no tensor gets Muon, nothing to plan")
+    if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int)
+                                       or sub_group_size < 1):
+        raise ValueError(f"sub_group_size must be an integer >= 1 (or None), got {sub_group_size!r}")
+    if layout != "zero3" and sub_group_size != ZERO3_SUB_GROUP_SIZE:
+        raise ValueError(f"sub_group_size is a DeepSpeed ZeRO-3 setting; layout {layout!r} does not cut param "
+                         "groups into sub-groups: use layout 'zero3' or leave sub_group_size out")
     efficiency = matmul_efficiency
     if efficiency is None:
         efficiency = MEASURED_MATMUL_EFFICIENCY if device.measured else MATMUL_EFFICIENCY
@@ -201,7 +236,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     collectives: list[int] = []
     buckets = matrices = 0
     busiest_owners = 0.0  # summed over the exchanges, which run one after another
-    for groups in _exchanges(layout, tensors):
+    exchanges = _exchanges(layout, tensors, world, sub_group_size)
+    for groups in exchanges:
         layouts = [lay for group in groups for lay in _layouts(layout, group, world)]
         carried = [t for group in groups for t in group]
         owners = assign_owners(layouts, world, ns_steps, plan_dtype or ns_dtype)
@@ -245,6 +281,11 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         notes.append(f"{world - busy} of {world} ranks run no Newton–Schulz: {len(tensors.muon_tensors)} Muon tensors "
                      f"({matrices} matrices) cannot keep more than {busy} owners busy; NS time is the busiest "
                      "owner's (of each exchange)")
+    if len(exchanges) > len(_exchanges(layout, tensors, world, None)):
+        notes.append(f"ZeRO-3 steps the {len(tensors.muon_groups)} Muon group{'s' if len(tensors.muon_groups) > 1 else ''} "
+                     f"as {len(exchanges)} sub-groups (sub_group_size {sub_group_size:,} elements of each "
+                     "rank's partition), each with its own exchange and owner plan, one after another; a "
+                     "larger \"sub_group_size\" in \"zero_optimization\" gives fewer")
     if max(buffers) > 0.25 * device.memory_bytes > 0:
         notes.append(f"the exchange's temporary buffers reach {max(buffers) / 2**30:.1f} GiB on one rank "
                      f"({100 * max(buffers) / device.memory_bytes:.0f}% of a {device.name}'s memory); "
@@ -260,6 +301,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         muon_params=tensors.muon_params, adamw_params=tensors.adamw_params,
         ns_flops=Spread.of(flops), busy_ranks=busy, exchange_sent=Spread.of(sent),
         exchange_received=Spread.of(received), exchange_collectives=len(collectives), buckets=buckets,
+        exchanges=len(exchanges),
         backend_bytes=Spread(backend_total, backend_total, backend_total), backend_detail=backend,
         state_bytes=Spread.of(state), adamw_state_bytes=Spread.of(adamw_state),
         owner_buffer_bytes=Spread.of(buffers), times=times,

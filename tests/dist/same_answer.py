@@ -117,14 +117,19 @@ def matrices_per_step(opt) -> int:
 
 def counting_newton_schulz():
     """``(fn, calls)``: a Newton–Schulz for ``Muon(orthogonalize_fn=fn)`` that counts the matrices it
-    orthogonalizes in this process in ``calls["n"]``."""
+    orthogonalizes in this process in ``calls["n"]`` and their FLOPs (the kernel's FLOP model, which
+    the owner plan and ``hf-muon plan`` use) in ``calls["flops"]``."""
     from hf_muon.kernels import orthogonalize
+    from hf_muon.kernels.newton_schulz import orthogonalize_flops
 
-    calls = {"n": 0}
+    calls = {"n": 0, "flops": 0}
 
-    def counting(G, *a, **k):
-        calls["n"] += G.shape[0] if G.ndim == 3 else 1
-        return orthogonalize(G, *a, **k)
+    def counting(G, steps, coefficients, dtype, **k):
+        count = G.shape[0] if G.ndim == 3 else 1
+        calls["n"] += count
+        calls["flops"] += count * orthogonalize_flops(G.shape[-2], G.shape[-1], steps, dtype or G.dtype,
+                                                      precondition=k.get("precondition", "frobenius"))
+        return orthogonalize(G, steps, coefficients, dtype, **k)
 
     return counting, calls
 

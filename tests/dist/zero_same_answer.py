@@ -27,12 +27,13 @@ BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation 
 OPTIMIZER = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
 
-def zero_config(stage: int, world: int, accumulation: int, dtype: str) -> dict:
+def zero_config(stage: int, world: int, accumulation: int, dtype: str, sub_group_size: int | None = None) -> dict:
     return {
         "train_micro_batch_size_per_gpu": BATCH // (world * accumulation),
         "gradient_accumulation_steps": accumulation,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                              "reduce_bucket_size": 5000, "allgather_bucket_size": 5000},
+                              "reduce_bucket_size": 5000, "allgather_bucket_size": 5000,
+                              **({"sub_group_size": sub_group_size} if sub_group_size else {})},
         "bf16": {"enabled": dtype.startswith("bf16")},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
         # fp32 accumulation of bf16 gradients makes DeepSpeed use its BF16_Optimizer at stages 0-1
@@ -43,11 +44,11 @@ def zero_config(stage: int, world: int, accumulation: int, dtype: str) -> dict:
 
 
 def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: int, world: int,
-              model_name: str = "block") -> dict:
+              model_name: str = "block", sub_group_size: int | None = None) -> dict:
     """``stage`` is 0-3, or "3init": ZeRO-3 with the model built under ``zero.Init`` (shapes hidden)."""
     import deepspeed
 
-    config = zero_config(int(stage[0]), world, accumulation, dtype)
+    config = zero_config(int(stage[0]), world, accumulation, dtype, sub_group_size)
     if stage == "3init":
         torch.manual_seed(0)  # the same initial values as ``base``
         with deepspeed.zero.Init(config_dict_or_path=config):
@@ -67,7 +68,8 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
     with deepspeed.zero.GatheredParameters(params, enabled=stage.startswith("3")):
         trained = [p.detach().float().clone() for p in params]
     muon_numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in opt._group_tensors[0])
-    return {"trained": trained, "ns_calls": calls["n"], "bytes_sent": opt.exchange_stats.bytes_sent,
+    return {"trained": trained, "ns_calls": calls["n"], "ns_flops": calls["flops"],
+            "exchanges": len(opt._partition_exchanges), "bytes_sent": opt.exchange_stats.bytes_sent,
             "bytes_received": opt.exchange_stats.bytes_received, "muon_numel": muon_numel,
             "muon_tensors": len(opt._group_tensors[0]), "inner": type(engine.optimizer).__name__,
             "ns_matrices": matrices_per_step(opt)}
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--dtype", choices=["fp32", "bf16", "bf16_fp32_accum", "fp16"], default="fp32")
     parser.add_argument("--model", choices=MODELS, default="block")
+    parser.add_argument("--sub_group_size", type=int, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
@@ -93,16 +96,18 @@ def main() -> None:
 
     results = {}
     for stage in args.stages.split(","):
-        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model)
+        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model, args.sub_group_size)
         worst = max(((t - q).abs().max() / q.abs().max()).item() for t, q in zip(r.pop("trained"), reference.parameters()))
-        figures = torch.tensor([worst, r["ns_calls"], r["bytes_sent"], r["bytes_received"]], dtype=torch.float64)
+        figures = torch.tensor([worst, r["ns_calls"], r["bytes_sent"], r["bytes_received"], r["ns_flops"],
+                                r["exchanges"]], dtype=torch.float64)
         gathered = [torch.zeros_like(figures) for _ in range(world)]
         dist.all_gather(gathered, figures)
         results[stage] = {
             "world": world, "steps": args.steps, "muon_tensors": r["muon_tensors"], "muon_numel": r["muon_numel"],
             "inner_optimizer": r["inner"], "ns_matrices": r["ns_matrices"], "max_rel_diff": [g[0].item() for g in gathered],
             "ns_calls": [g[1].item() for g in gathered], "bytes_sent": [g[2].item() for g in gathered],
-            "bytes_received": [g[3].item() for g in gathered],
+            "bytes_received": [g[3].item() for g in gathered], "ns_flops": [g[4].item() for g in gathered],
+            "exchanges": [g[5].item() for g in gathered],
         }
     write_and_shut_down(rank, args.out, results)
 
