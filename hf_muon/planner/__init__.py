@@ -45,7 +45,7 @@ def plan_tensors(tensors: ModelTensors, layout: str, worlds: list[int], accelera
                  link_gbs: float | None = None, latency_us: float | None = None,
                  ns_dtype: torch.dtype | str | None = None, **options) -> list[Plan]:
     """One :class:`Plan` per world size in ``worlds`` for ``tensors`` (see ``cost.plan`` for ``options``:
-    ns_steps, comm_dtype, bucket_bytes, param_bytes, grad_bytes, matmul_efficiency).
+    ns_steps, comm_dtype, bucket_bytes, param_bytes, grad_bytes, matmul_efficiency, overlap, sub_group_size).
 
     ``accelerator_name="cpu"`` measures this machine's matmul rate on the plan's own products and its
     memory bandwidth first (a few seconds): with all of torch's threads for one rank, with one thread
