@@ -80,6 +80,7 @@ def test_stacked_experts_share_the_exchange(tmp_path, backend):
     assert r["stacked_groups"] >= 1 and r["muon_groups"] >= 2
     assert r["exchange_plans"] == 1
     assert min(r["ns_calls"]) > 0
+    assert sum(r["ns_calls"]) == r["ns_matrices"] * r["steps"] > r["muon_tensors"] * r["steps"]  # each expert once
 
 
 @pytest.mark.slow

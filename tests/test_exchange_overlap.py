@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hf_muon.distributed import exchange
-from hf_muon.distributed.layout import TensorLayout, flat_sharded, replicated, row_sharded
+from hf_muon.distributed import exchange, sharding
+from hf_muon.distributed.layout import TensorLayout, exchanged_matrices, flat_sharded, replicated, row_sharded
 from hf_muon.distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 from hf_muon.kernels import orthogonalize
 from test_distributed import HERE, torchrun
@@ -237,6 +237,52 @@ def test_an_error_in_newton_schulz_propagates_after_the_collectives_in_flight_fi
     assert pending <= {x for kind, x in events[failed:] if kind == "wait"}  # ... and were waited for before raising
     assert not [e for e in events[failed + 1:] if e[0] in ("issue", "ns")]  # nothing new was started
     assert isinstance(results[1], TimeoutError)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stacked tensors (a MoE layer's experts, [experts, rows, cols]): exchanged matrix by matrix
+
+
+def test_a_stacks_matrices_are_cut_at_each_ranks_range():
+    # ZeRO-3 splits 3 x 384 elements in halves of 576: rank 0 holds expert 0 and half of expert 1
+    items = exchanged_matrices([flat_sharded((16, 24), False, 2), flat_sharded((3, 16, 24), True, 2)])
+    assert [(i.source, i.offset) for i in items] == [(0, 0), (1, 0), (1, 384), (1, 768)]
+    assert items[0].layout == flat_sharded((16, 24), False, 2)
+    assert all(i.layout.shape == (16, 24) and not i.layout.stacked for i in items[1:])
+    held = [tuple((lo, hi) if hi > lo else None for lo, hi in i.layout.ranges) for i in items[1:]]
+    assert held == [((0, 384), None), ((0, 192), (192, 384)), (None, (0, 384))]
+
+
+def test_a_stacks_experts_get_their_own_owners_and_the_single_process_answer(fake):
+    """DDP's replicated stack spreads over both ranks (it had one owner, which gathered all of it);
+    ZeRO-3's split stack leaves experts 0 and 2 where they lie; FSDP2's dim-0 shards are whole
+    experts, orthogonalized in place."""
+    torch.manual_seed(0)
+    layouts = [replicated((4, 16, 24), True, 2), flat_sharded((3, 16, 24), True, 2), row_sharded((4, 8, 16), True, 2),
+               flat_sharded((16, 24), False, 2)]
+    wholes = [torch.randn(layout.shape) for layout in layouts]
+    seen: list[list[tuple]] = [[], []]
+
+    def rank_main(rank: int):
+        def ns(whole, which):
+            seen[rank].extend((i, tuple(w.shape)) for w, i in zip(whole, which))
+            return [orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).view(w.shape)
+                    for w in whole]
+
+        exchange_fn = sharding.exchange_over(layouts, rank, rank, 2, 5, exchange.ExchangeStats(), bucket_bytes=4096)
+        return exchange_fn([w.reshape(-1)[slice(*layout.ranges[rank])] for w, layout in zip(wholes, layouts)], ns)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rank_main, range(2)))
+    for rank in range(2):
+        for i, (w, layout) in enumerate(zip(wholes, layouts)):
+            expected = orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).reshape(-1)
+            torch.testing.assert_close(results[rank][i], expected[slice(*layout.ranges[rank])], rtol=1e-5, atol=1e-6)
+    # no owner got a whole stack: each expert came alone, as a stack of one
+    assert all(shape[0] == 1 for mine in seen for i, shape in mine if layouts[i].stacked)
+    assert all(sum(i == 0 for i, _ in mine) >= 1 for mine in seen)  # the replicated stack kept both ranks busy
+    assert sorted(i for mine in seen for i, _ in mine) == [0] * 4 + [1] * 3 + [2] * 4 + [3]  # each matrix once
+    assert sum(i == 2 for i, _ in seen[0]) == sum(i == 2 for i, _ in seen[1]) == 2  # FSDP2's experts stay put
 
 
 # ---------------------------------------------------------------------------------------------------------------

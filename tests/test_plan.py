@@ -181,18 +181,21 @@ def test_mixtral_experts_by_hand():
     assert p.muon_params == muon
     (big,) = plans(model, "zero3", [512])
     # ZeRO-3: each param group's flat partition has its own exchange and owner plan, so rank 0 takes
-    # the largest tensor of each group (a q or o 64x64 and, on transformers 5, a stack of 4 gate_up
-    # experts) at once
+    # the largest matrix of each group (a q or o 64x64 and, on transformers 5, one gate_up expert:
+    # a stack is exchanged matrix by matrix, each expert with its own owner) at once
     if hasattr(model.model.layers[0].mlp.experts, "gate_up_proj"):
-        assert big.ns_flops.max == standard(64, 64) + 4 * gram(64, 192)
-        # ZeRO-3 runs the two groups' exchanges one after the other: NS time is the sum of each
-        # one's busiest owner. DDP/FSDP2 put both groups in one exchange (one owner plan), so the
-        # stack of 4 gate_up experts alone sets it.
+        assert big.ns_flops.max == standard(64, 64) + gram(64, 192)
+        assert big.busy_ranks == 2 * (4 + 4)  # the experts' 16 owners (a stack had one); q..router's 10 among them
+        # FSDP2 shards dim 0 of a [4, r, c] stack: at 512 ranks ranks 0-3 each hold one expert of
+        # every stack whole, and a matrix held whole by one rank is orthogonalized there (no traffic):
+        # rank 0 takes expert 0 of both layers' gate_up and down; q..router's 10 go to other ranks.
         (one,) = plans(model, "fsdp2", [512])
-        assert one.ns_flops.max == 4 * gram(64, 192)
-        ratio = (standard(64, 64) + 4 * gram(64, 192)) / (4 * gram(64, 192))
+        assert one.ns_flops.max == 2 * (gram(64, 192) + standard(64, 96)) and one.busy_ranks == 4 + 10
+        ratio = (standard(64, 64) + gram(64, 192)) / (2 * (gram(64, 192) + standard(64, 96)))
         assert big.times.newton_schulz / one.times.newton_schulz == pytest.approx(ratio)
-        assert (one.buckets, big.buckets) == (1, 2)
+        # ranks 0-3 own 4 matrices each: the overlapped exchange pipelines them in 4 buckets; ZeRO-3's
+        # two exchanges have one matrix per owner, a bucket each
+        assert (one.buckets, big.buckets) == (4, 2)
     else:  # one group of single matrices: the largest is an expert's 64x96 (standard = Gram there)
         assert big.ns_flops.max == standard(64, 96)
 

@@ -29,7 +29,8 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 @dataclass
 class ExchangeStats:
-    """What this rank did, summed over steps: bytes it sent and received, tensors it orthogonalized."""
+    """What this rank did, summed over steps: bytes it sent and received, tensors it orthogonalized
+    (each matrix of a stacked tensor counts as one: the exchange moves and assigns them one by one)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
-from .layout import TensorLayout, replicated, row_sharded
+from .layout import TensorLayout, exchanged_matrices, replicated, row_sharded
 from .plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 
 
@@ -92,22 +92,51 @@ def exchange_over(
     on every rank. ``overlap``: pipeline the buckets (at least ``PIPELINE_BUCKETS`` of them) with
     asynchronous collectives; ``False``: one bucket at a time, as few buckets as ``bucket_bytes`` allows.
     Make an exchange once and call it every step: planning is Python work that grows with
-    tensors x ranks (0.3 s for Llama-3-8B's layouts under FSDP2 at 1024 ranks)."""
-    owners = assign_owners(layouts, world, ns_steps, ns_dtype)
+    tensors x ranks (0.3 s for Llama-3-8B's layouts under FSDP2 at 1024 ranks).
+
+    A stacked tensor is exchanged matrix by matrix (see :func:`layout.exchanged_matrices`): each of
+    its matrices has its own owner."""
+    items = exchanged_matrices(layouts)
+    item_layouts = [item.layout for item in items]
+    owners = assign_owners(item_layouts, world, ns_steps, ns_dtype)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else None
     buckets: dict[int, list[list[int]]] = {}  # by bytes per element on the wire
 
+    def item_pieces(pieces: list[Tensor]) -> list[Tensor]:
+        """This rank's piece of each item: a view of its piece of the item's tensor."""
+        cut = []
+        for item in items:
+            start, end = item.layout.ranges[rank]
+            where = item.offset + start - layouts[item.source].ranges[rank][0]
+            cut.append(pieces[item.source].narrow(0, where, end - start) if end > start else pieces[item.source][:0])
+        return cut
+
+    def source_pieces(out: list[Tensor]) -> list[Tensor]:
+        """Each tensor's piece of the result: its items' pieces in order."""
+        parts: list[list[Tensor]] = [[] for _ in layouts]
+        for item, o in zip(items, out):
+            parts[item.source].append(o)
+        return [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
+
     def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor], list[int]], list[Tensor]]) -> list[Tensor]:
-        pieces = [b.reshape(-1) for b in blended]
+        """``newton_schulz(wholes, indices)`` sees whole tensors and their indices in ``blended``; a
+        stack's matrices come one at a time, each as a stack of one (``[1, rows, cols]``)."""
         size = itemsize or (blended[0].element_size() if blended else 4)
         if size not in buckets:  # the layouts never change: plan once per wire dtype size
-            buckets[size] = plan_buckets(layouts, owners, world, ns_steps, size, bucket_bytes,
+            buckets[size] = plan_buckets(item_layouts, owners, world, ns_steps, size, bucket_bytes,
                                          PIPELINE_BUCKETS if overlap else 1, ns_dtype)
+
+        def items_newton_schulz(wholes: list[Tensor], which: list[int]) -> list[Tensor]:
+            stacks = [w.unsqueeze(0) if layouts[items[i].source].stacked else w for w, i in zip(wholes, which)]
+            out = newton_schulz(stacks, [items[i].source for i in which])
+            return [o.view(w.shape) for o, w in zip(out, wholes)]
+
         out = orthogonalize_distributed(
-            pieces, layouts, owners, newton_schulz, buckets=buckets[size], group=group, rank=rank, world=world,
-            stats=stats, comm_dtype=comm_dtype, overlap=overlap,
+            item_pieces([b.reshape(-1) for b in blended]), item_layouts, owners, items_newton_schulz,
+            buckets=buckets[size], group=group, rank=rank, world=world, stats=stats, comm_dtype=comm_dtype,
+            overlap=overlap,
         )
-        return [o.view(b.shape) for o, b in zip(out, blended)]
+        return [o.view(b.shape) for o, b in zip(source_pieces(out), blended)]
 
     return exchange
 

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, exchange_volume
-from ..distributed.layout import TensorLayout, flat_sharded, group_flat_sharded, replicated, row_sharded
+from ..distributed.layout import (TensorLayout, exchanged_matrices, flat_sharded, group_flat_sharded, replicated,
+                                  row_sharded)
 from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 from ..kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps, orthogonalize_flops
 from .model import ModelTensors, PlanTensor
@@ -240,18 +241,22 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     for groups in exchanges:
         layouts = [lay for group in groups for lay in _layouts(layout, group, world)]
         carried = [t for group in groups for t in group]
-        owners = assign_owners(layouts, world, ns_steps, plan_dtype or ns_dtype)
-        exchange_flops = [0.0] * world
-        for t, lay, owner in zip(carried, layouts, owners):
-            exchange_flops[owner] += executed_flops(t, lay, ns_steps, ns_dtype)
-            matrices += len(t.blocks) if t.blocks is not None else lay.matrix_shape[0]
+        for lay in layouts:
             for r, (start, end) in enumerate(lay.ranges):
                 muon_held[r] += end - start
+        items = exchanged_matrices(layouts)  # what the exchange moves: stacks matrix by matrix
+        item_layouts = [item.layout for item in items]
+        owners = assign_owners(item_layouts, world, ns_steps, plan_dtype or ns_dtype)
+        exchange_flops = [0.0] * world
+        for item, owner in zip(items, owners):
+            t = carried[item.source]
+            exchange_flops[owner] += executed_flops(t, item.layout, ns_steps, ns_dtype)
+            matrices += len(t.blocks) if t.blocks is not None else item.layout.matrix_shape[0]
         flops = [a + b for a, b in zip(flops, exchange_flops)]
         busiest_owners += max(exchange_flops)
-        buckets_of_group = plan_buckets(layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
+        buckets_of_group = plan_buckets(item_layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
                                         PIPELINE_BUCKETS if overlap else 1, plan_dtype or ns_dtype)
-        volume = exchange_volume(layouts, owners, world, comm_itemsize, buckets_of_group, STATE_ITEMSIZE)
+        volume = exchange_volume(item_layouts, owners, world, comm_itemsize, buckets_of_group, STATE_ITEMSIZE)
         sent = [a + b for a, b in zip(sent, volume.bytes_sent)]
         received = [a + b for a, b in zip(received, volume.bytes_received)]
         buffers = [max(a, b) for a, b in zip(buffers, volume.peak_buffer_bytes)]

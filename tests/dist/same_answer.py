@@ -12,6 +12,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 
 import torch
 import torch.distributed as dist
@@ -109,8 +110,10 @@ def wrap(backend: str, model: nn.Module, world: int) -> nn.Module:
 
 
 def matrices_per_step(opt) -> int:
-    """Newton–Schulz runs one optimizer step makes: one per Muon tensor, one per block of a fused one."""
-    tensors = sum(len(t) for g, t in zip(opt.param_groups, opt._group_tensors) if g["algorithm"] == "muon")
+    """Newton–Schulz runs one optimizer step makes: one per Muon tensor, one per block of a fused one,
+    one per matrix of a stacked one (a MoE layer's experts)."""
+    tensors = sum(math.prod(getattr(p, "ds_shape", p.shape)[:-2]) if g["stacked"] else 1
+                  for g, t in zip(opt.param_groups, opt._group_tensors) if g["algorithm"] == "muon" for p in t)
     blocks = opt.fused_blocks().values()
     return tensors + sum(len(b.segments) - 1 for b in blocks)
 

@@ -72,7 +72,8 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
             "exchanges": len(opt._partition_exchanges), "bytes_sent": opt.exchange_stats.bytes_sent,
             "bytes_received": opt.exchange_stats.bytes_received, "muon_numel": muon_numel,
             "muon_tensors": len(opt._group_tensors[0]), "inner": type(engine.optimizer).__name__,
-            "ns_matrices": matrices_per_step(opt)}
+            "ns_matrices": matrices_per_step(opt),
+            "stacked_groups": sum(g["algorithm"] == "muon" and g["stacked"] for g in opt.param_groups)}
 
 
 def main() -> None:
@@ -104,7 +105,8 @@ def main() -> None:
         dist.all_gather(gathered, figures)
         results[stage] = {
             "world": world, "steps": args.steps, "muon_tensors": r["muon_tensors"], "muon_numel": r["muon_numel"],
-            "inner_optimizer": r["inner"], "ns_matrices": r["ns_matrices"], "max_rel_diff": [g[0].item() for g in gathered],
+            "inner_optimizer": r["inner"], "ns_matrices": r["ns_matrices"], "stacked_groups": r["stacked_groups"],
+            "max_rel_diff": [g[0].item() for g in gathered],
             "ns_calls": [g[1].item() for g in gathered], "bytes_sent": [g[2].item() for g in gathered],
             "bytes_received": [g[3].item() for g in gathered], "ns_flops": [g[4].item() for g in gathered],
             "exchanges": [g[5].item() for g in gathered],
