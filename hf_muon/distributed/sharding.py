@@ -102,21 +102,22 @@ def exchange_over(
     itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else None
     buckets: dict[int, list[list[int]]] = {}  # by bytes per element on the wire
 
+    # Where each item's piece lies in this rank's piece of its tensor: fixed, so derived once here.
+    cuts = []
+    for item in items:
+        start, end = item.layout.ranges[rank]
+        cuts.append((item.source, item.offset + start - layouts[item.source].ranges[rank][0], max(end - start, 0)))
+    items_of: list[list[int]] = [[] for _ in layouts]
+    for k, item in enumerate(items):
+        items_of[item.source].append(k)
+
     def item_pieces(pieces: list[Tensor]) -> list[Tensor]:
         """This rank's piece of each item: a view of its piece of the item's tensor."""
-        cut = []
-        for item in items:
-            start, end = item.layout.ranges[rank]
-            where = item.offset + start - layouts[item.source].ranges[rank][0]
-            cut.append(pieces[item.source].narrow(0, where, end - start) if end > start else pieces[item.source][:0])
-        return cut
+        return [pieces[source].narrow(0, where, n) if n else pieces[source][:0] for source, where, n in cuts]
 
     def source_pieces(out: list[Tensor]) -> list[Tensor]:
-        """Each tensor's piece of the result: its items' pieces in order."""
-        parts: list[list[Tensor]] = [[] for _ in layouts]
-        for item, o in zip(items, out):
-            parts[item.source].append(o)
-        return [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
+        """Each tensor's piece of the result: its items' pieces in order (a copy only for a stack)."""
+        return [out[ks[0]] if len(ks) == 1 else torch.cat([out[k] for k in ks]) for ks in items_of]
 
     def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor], list[int]], list[Tensor]]) -> list[Tensor]:
         """``newton_schulz(wholes, indices)`` sees whole tensors and their indices in ``blended``; a

@@ -251,7 +251,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         for item, owner in zip(items, owners):
             t = carried[item.source]
             exchange_flops[owner] += executed_flops(t, item.layout, ns_steps, ns_dtype)
-            matrices += len(t.blocks) if t.blocks is not None else item.layout.matrix_shape[0]
+            matrices += len(t.blocks) if t.blocks is not None else 1  # an item is one matrix
         flops = [a + b for a, b in zip(flops, exchange_flops)]
         busiest_owners += max(exchange_flops)
         buckets_of_group = plan_buckets(item_layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
