@@ -122,6 +122,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: DeepSpeed's, 1e9); ZeRO-3 steps each sub-group with its own exchange")
     p.add_argument("--no_overlap", action="store_true",
                    help="as Muon(overlap_exchange=False): the synchronous exchange's buckets (as few as bucket_mib allows)")
+    p.add_argument("--exchange_flops_per_byte", type=float,
+                   help="as Muon(exchange_flops_per_byte=...): let the owner plan move matrices held whole by one "
+                        "rank (the plan notes the value for the accelerator and link when it would help)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON instead of tables")
     p.add_argument("--plot", metavar="FILE", help="save a plot of the projected step time against the world size")
 
@@ -139,6 +142,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                            latency_us=args.latency_us, ns_dtype=args.ns_dtype, ns_steps=args.ns_steps,
                            comm_dtype=dtypes[args.comm_dtype], bucket_bytes=int(args.bucket_mib * 2**20),
                            matmul_efficiency=args.matmul_efficiency, overlap=not args.no_overlap,
+                           exchange_flops_per_byte=args.exchange_flops_per_byte,
                            **({} if args.sub_group_size is None else {"sub_group_size": args.sub_group_size}))
     except ValueError as error:
         parser.exit(2, f"hf-muon plan: {error}\n")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hf_muon.distributed.layout import flat_sharded, replicated, row_sharded
+from hf_muon.distributed.layout import TensorLayout, flat_sharded, replicated, row_sharded
 from hf_muon.distributed.plan import assign_owners, ns_load
 from hf_muon.launching import free_port, run
 
@@ -133,6 +133,32 @@ def test_owner_plan_keeps_a_tensor_where_it_lives_whole():
     whole_on_1 = type(flat_sharded((4, 4), False, 2))((4, 4), False, ((0, 0), (0, 16)))
     layouts = [whole_on_1, flat_sharded((8, 8), False, 2)]
     assert assign_owners(layouts, 2, 5)[0] == 1
+
+
+def test_owner_plan_moves_tensors_held_whole_only_when_links_are_cheap_enough():
+    """4 matrices held whole by rank 0 of 4 (FSDP2's dim-0 shards of a small expert stack at large W).
+    c: one matrix's Newton–Schulz FLOPs; a move sends 64 x 64 elements out and back: 2 n elements
+    on both ranks' links, costing ``flops_per_byte * 4 * 2 n`` FLOPs in the cost model."""
+    on_0 = TensorLayout((64, 64), False, ((0, 64 * 64),) + ((0, 0),) * 3)
+    layouts = [on_0] * 4
+    c, n = on_0.ns_flops(5), on_0.numel
+    per_byte = c / (2 * n * 4)  # a move's link time equals one matrix's Newton–Schulz
+    assert assign_owners(layouts, 4, 5) == [0, 0, 0, 0]  # Muon's default: never moved
+    assert assign_owners(layouts, 4, 5, flops_per_byte=1e9) == [0, 0, 0, 0]  # links too slow
+    # nearly free links: rank 0's largest-time state gives one matrix to each idle rank in turn,
+    # until every rank has one (a fourth move would give rank 1 2c > c)
+    assert assign_owners(layouts, 4, 5, flops_per_byte=1e-3 * per_byte) == [1, 2, 3, 0]
+    # a move costs c of link time: 4c -> 3c (1 moved), -> 2c (2 moved: max(2c NS, 2c link)); a third
+    # would leave rank 0 max(c, 3c) = 3c > 2c
+    assert assign_owners(layouts, 4, 5, flops_per_byte=per_byte) == [1, 2, 0, 0]
+    # the synchronous exchange adds link time to NS time: 3c + c is no shorter than 4c
+    assert assign_owners(layouts, 4, 5, flops_per_byte=per_byte, overlap=False) == [0, 0, 0, 0]
+    assert assign_owners(layouts, 4, 5, flops_per_byte=1e-3 * per_byte, overlap=False) == [1, 2, 3, 0]
+    # the link is counted in bytes: bf16 on the wire halves a move's cost, so a third move pays off
+    # (rank 0 with 2 moved: max(2c, c) = 2c; with 3: max(c, 1.5c) = 1.5c; a fourth: 2c)
+    assert assign_owners(layouts, 4, 5, flops_per_byte=per_byte, itemsize=2) == [1, 2, 3, 0]
+    with pytest.raises(ValueError, match="flops_per_byte must be > 0"):
+        assign_owners(layouts, 4, 5, flops_per_byte=0.0)
 
 
 def test_owner_plan_costs_what_the_kernel_runs():

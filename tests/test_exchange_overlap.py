@@ -285,6 +285,44 @@ def test_a_stacks_experts_get_their_own_owners_and_the_single_process_answer(fak
     assert sum(i == 2 for i, _ in seen[0]) == sum(i == 2 for i, _ in seen[1]) == 2  # FSDP2's experts stay put
 
 
+@pytest.mark.parametrize("flops_per_byte", [None, 1e-6])
+def test_experts_held_whole_by_one_rank_move_only_when_asked_with_the_same_answer(fake, flops_per_byte):
+    """A 4-expert stack held whole by rank 0 and a matrix both hold (FSDP2 at more ranks than experts
+    leaves such stacks on a few ranks): by default rank 0 orthogonalizes every expert; with cheap
+    links (``flops_per_byte``) rank 1 takes some and gets them through the exchange; same answer."""
+    torch.manual_seed(0)
+    stack = TensorLayout((4, 16, 24), True, ((0, 4 * 16 * 24), (0, 0)))
+    layouts = [stack, replicated((16, 24), False, 2)]
+    wholes = [torch.randn(layout.shape) for layout in layouts]
+    seen: list[list[int]] = [[], []]
+    stats = [exchange.ExchangeStats(), exchange.ExchangeStats()]
+
+    def rank_main(rank: int):
+        def ns(whole, which):
+            seen[rank].extend(which)
+            return [orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).view(w.shape)
+                    for w in whole]
+
+        exchange_fn = sharding.exchange_over(layouts, rank, rank, 2, 5, stats[rank], bucket_bytes=4096,
+                                             flops_per_byte=flops_per_byte)
+        return exchange_fn([w.reshape(-1)[slice(*layout.ranges[rank])] for w, layout in zip(wholes, layouts)], ns)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(rank_main, range(2)))
+    for rank in range(2):
+        for i, (w, layout) in enumerate(zip(wholes, layouts)):
+            expected = orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).reshape(-1)
+            torch.testing.assert_close(results[rank][i], expected[slice(*layout.ranges[rank])], rtol=1e-5, atol=1e-6)
+    moved = seen[1].count(0)
+    assert seen[0].count(0) + moved == 4  # each expert once
+    expert = 16 * 24 * 4  # fp32 bytes of one expert
+    if flops_per_byte is None:
+        assert moved == 0 and stats[1].bytes_received == 0  # rank 1 owns the plain matrix, which it holds
+    else:  # 5 matrices of equal cost (c) on 2 ranks: from (4c, c) one move gives (3c, 2c); a second (2c, 3c)
+        assert moved == 1
+        assert stats[1].bytes_received == expert and stats[0].bytes_sent == expert  # the expert went out whole
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2 ranks, gloo: overlapped == synchronous, bit for bit
 

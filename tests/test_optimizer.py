@@ -421,6 +421,9 @@ def test_optim_args_take_ns_precondition():
     assert check_optim_args("ns_precondition=aol,ns_steps=6") == {"ns_precondition": "aol", "ns_steps": 6}
     with pytest.raises(ValueError, match="ns_precondition must be one of"):
         check_optim_args("ns_precondition=newton")
+    assert check_optim_args("exchange_flops_per_byte=1.2e4") == {"exchange_flops_per_byte": 12000.0}
+    with pytest.raises(ValueError, match="exchange_flops_per_byte must be a positive number"):
+        check_optim_args("exchange_flops_per_byte=-1")
 
 
 def test_summary_names_the_preconditioner():
@@ -557,10 +560,10 @@ def test_groups_with_the_same_newton_schulz_settings_share_batches():
 def test_exchange_is_planned_once_until_its_tensors_change(gloo_world_of_one, monkeypatch):
     from hf_muon.optimizer import muon
 
-    plans = []
+    plans, link_costs = [], []
     real = muon.make_exchange
-    monkeypatch.setattr(muon, "make_exchange",
-                        lambda params, *a, **k: plans.append(len(params)) or real(params, *a, **k))
+    monkeypatch.setattr(muon, "make_exchange", lambda params, *a, **k: plans.append(len(params))
+                        or link_costs.append(k["flops_per_byte"]) or real(params, *a, **k))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = Muon(model, lr=1e-2)
@@ -577,6 +580,11 @@ def test_exchange_is_planned_once_until_its_tensors_change(gloo_world_of_one, mo
     opt.exchange_stats = type(opt.exchange_stats)()  # counters reset: the exchange counts into the new ones
     _train(model, opt, [torch.randn(5, 8)])
     assert len(plans) == muon_groups + 3
+    opt.exchange_flops_per_byte = 1e4  # the owner plan's link cost: planned again, with it
+    _train(model, opt, [torch.randn(5, 8)])
+    assert len(plans) == muon_groups + 4 and link_costs[-1] == 1e4 and set(link_costs[:-1]) == {None}
+    _train(model, opt, [torch.randn(5, 8)])
+    assert len(plans) == muon_groups + 4
 
 
 def test_process_group_is_used_for_replicated_parameters(gloo_world_of_one, monkeypatch):

@@ -15,8 +15,10 @@ one segment, no restarts):
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -198,6 +200,33 @@ def test_mixtral_experts_by_hand():
         assert (one.buckets, big.buckets) == (4, 2)
     else:  # one group of single matrices: the largest is an expert's 64x96 (standard = Gram there)
         assert big.ns_flops.max == standard(64, 96)
+
+
+def test_experts_held_whole_move_when_links_are_cheap_enough():
+    model = tiny_mixtral()
+    if not hasattr(model.model.layers[0].mlp.experts, "gate_up_proj"):
+        pytest.skip("transformers 4 keeps each expert as its own Linear: no stacks for FSDP2 to leave whole")
+    (pinned,) = plans(model, "fsdp2", [512])
+    # an H100 (fp32: 67 TFLOP/s at 60%) against IB 400G (50 GB/s): 804 FLOPs per byte, so moving a
+    # tiny expert costs far more than orthogonalizing it: ranks 0-3 keep theirs, and no note
+    assert pinned.hardware_flops_per_byte == pytest.approx(67e12 * 0.6 / 50e9)
+    assert pinned.exchange_flops_per_byte is None
+    assert pinned.ns_flops.max == 2 * (gram(64, 192) + standard(64, 96)) and pinned.busy_ranks == 4 + 10
+    assert not any("exchange_flops_per_byte" in note for note in pinned.notes)
+    (moved,) = plans(model, "fsdp2", [512], exchange_flops_per_byte=1e-6)
+    # nearly free links: each of the 26 matrices on its own rank, the largest (a gate_up expert) sets NS
+    assert moved.busy_ranks == 26 and moved.ns_flops.max == gram(64, 192)
+    # each holder moved its 2 gate_up experts and 1 of its 2 down experts (largest first; the last
+    # one stays: moving it would only swap ranks), each sent whole to its owner and back, fp32
+    moved_elements = 4 * (2 * 192 * 64 + 64 * 96)
+    assert moved.exchange_sent.mean * 512 == pytest.approx(pinned.exchange_sent.mean * 512 + 2 * 4 * moved_elements)
+    # a slow accelerator (1 GFLOP/s) on the same link: moving pays, and the plan says so and by how much
+    (slow,) = plans(model, "fsdp2", [512], peak_tflops=1e-3, latency_us=0)
+    (note,) = [note for note in slow.notes if "exchange_flops_per_byte" in note]
+    assert "16 matrices are held whole by one rank" in note and "Muon(exchange_flops_per_byte=0.012)" in note
+    (slow_moved,) = plans(model, "fsdp2", [512], peak_tflops=1e-3, latency_us=0, exchange_flops_per_byte=0.012)
+    assert slow_moved.times.muon_overlapped < 0.5 * slow.times.muon_overlapped
+    assert f"step {slow_moved.times.muon_overlapped * 1e3:.1f} ms instead of {slow.times.muon_overlapped * 1e3:.1f} ms" in note
 
 
 # ---- ZeRO-1/2 layout: DeepSpeed's flatten, pad to 2*W, W equal partitions ----------------------------------
@@ -425,11 +454,30 @@ def test_cli_llama_3_8b_zero3(tmp_path):
     (["llama-3-8b", "--layout", "ddp", "--world", "2", "--accelerator", "tpu"], "invalid choice: 'tpu'"),
     (["llama-3-8b", "--layout", "zero2", "--world", "2", "--sub_group_size", "1000"], "a DeepSpeed ZeRO-3 setting"),
     (["llama-3-8b", "--layout", "zero3", "--world", "2", "--sub_group_size", "0"], "sub_group_size must be"),
+    (["llama-3-8b", "--layout", "fsdp2", "--world", "2", "--exchange_flops_per_byte", "0"],
+     "exchange_flops_per_byte must be a positive number"),
 ])
 def test_cli_bad_inputs(args, message):
     result = _cli(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_cli_mixtral_fsdp2_experts_held_whole():
+    """Mixtral-8x7B under FSDP2 at 64 ranks: ranks 0-7 hold one expert of every stack. The default plan
+    notes what moving some would save; --exchange_flops_per_byte plans it."""
+    default = _cli("mixtral-8x7b", "--layout", "fsdp2", "--world", "64", "--json")
+    assert default.returncode == 0, default.stderr
+    (pinned,) = json.loads(default.stdout)
+    (note,) = [n for n in pinned["notes"] if "exchange_flops_per_byte" in n]
+    ratio = pinned["hardware_flops_per_byte"]
+    assert ratio == pytest.approx(989e12 * 0.6 / 50e9) and f"Muon(exchange_flops_per_byte={ratio:.3g})" in note
+    moved = _cli("mixtral-8x7b", "--layout", "fsdp2", "--world", "64", "--exchange_flops_per_byte", str(ratio))
+    assert moved.returncode == 0, moved.stderr
+    assert f"owner plan: matrices held whole by one rank may move at {ratio:.3g} FLOP per byte" in moved.stdout
+    step = re.search(r"^total .* ([0-9.]+) ms +[0-9.]+ ms$", moved.stdout, re.M).group(1)
+    assert f"step {step} ms instead of" in note
+    assert float(step) < 0.8 * pinned["times"]["muon_overlapped"] * 1e3
 
 
 def test_cli_folder_without_config(tmp_path):

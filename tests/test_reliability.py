@@ -142,6 +142,8 @@ BAD_INPUTS = [
     ("adamw-lr", "adamw_lr=-1", _muon(adamw_lr=-1.0), ValueError, "adamw_lr must be >= 0"),
     ("ns-split", "ns_split='rows'", _muon(ns_split="rows"), ValueError, "ns_split must be one of"),
     ("bucket-bytes", "bucket_bytes=0", _muon(bucket_bytes=0), ValueError, "bucket_bytes must be > 0"),
+    ("exchange-flops-per-byte", "exchange_flops_per_byte=0", _muon(exchange_flops_per_byte=0), ValueError,
+     "exchange_flops_per_byte must be a positive number"),
     ("orthogonalize-fn", "orthogonalize_fn='ns'", _muon(orthogonalize_fn="ns"), TypeError,
      "orthogonalize_fn must be callable"),
     ("process-group-alone", "process_group=... with distributed=False",

@@ -12,24 +12,38 @@ from .layout import TensorLayout
 
 
 def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
-                  ns_dtype: torch.dtype = torch.float32) -> list[int]:
+                  ns_dtype: torch.dtype = torch.float32, flops_per_byte: float | None = None,
+                  itemsize: int = 4, overlap: bool = True) -> list[int]:
     """One owner rank per tensor.
 
     A tensor held whole by exactly one rank stays there (moving it would only add traffic).
     The rest go, largest cost first, to the least-loaded rank (longest-processing-time greedy),
     preferring on a tie a rank that already holds the whole tensor, then the lowest rank. The
-    result depends only on the layouts, ``ns_steps`` and ``ns_dtype``, so every rank that passes
-    the same ones computes the same plan without talking.
+    result depends only on the arguments, so every rank that passes the same ones computes the
+    same plan without talking.
+
+    ``flops_per_byte``: Newton–Schulz FLOPs that take as long as one byte on a rank's link (the NS
+    FLOP rate over the link bandwidth; ``itemsize`` bytes per element on the wire). When given, a
+    tensor held whole by one rank may still move: while the rank with the longest time holds such
+    tensors, its largest one whose move to the rank with the shortest time brings both below that
+    longest time moves there. A rank's time is its NS FLOPs and ``flops_per_byte`` times its
+    exchange bytes (sent and received: pieces and results travel in separate collectives), the
+    larger of the two with ``overlap`` (the pipelined exchange), their sum without. FSDP2 shards a
+    stack of 8 experts over its first 8 ranks only: at 64 ranks those 8 would otherwise run every
+    expert's Newton–Schulz while 56 idle. ``None``: never moved.
     """
+    if flops_per_byte is not None and not flops_per_byte > 0:
+        raise ValueError(f"flops_per_byte must be > 0 (or None), got {flops_per_byte}")
     costs = [layout.ns_flops(ns_steps, ns_dtype) for layout in layouts]
     load = [0.0] * world
     owners = [-1] * len(layouts)
-    free = []
+    free, pinned = [], []
     for i, layout in enumerate(layouts):
         holders = [r for r in range(world) if layout.holds(r)]
         if len(holders) == 1 and layout.holds_all(holders[0]):
             owners[i] = holders[0]
             load[holders[0]] += costs[i]
+            pinned.append(i)
         else:
             free.append(i)
     for i in sorted(free, key=lambda i: (-costs[i], i)):
@@ -37,7 +51,44 @@ def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
         owner = min(range(world), key=lambda r: (load[r], not layout.holds_all(r), r))
         owners[i] = owner
         load[owner] += costs[i]
+    if flops_per_byte is not None and world > 1 and pinned:
+        _unpin(layouts, owners, load, costs, pinned, world, flops_per_byte * itemsize, overlap)
     return owners
+
+
+def _unpin(layouts: list[TensorLayout], owners: list[int], load: list[float], costs: list[float],
+           pinned: list[int], world: int, flops_per_element: float, overlap: bool) -> None:
+    """Move tensors held whole by one rank off the rank with the longest time while that shortens it
+    (see :func:`assign_owners`); ``owners`` and ``load`` are updated in place."""
+    from .exchange import exchange_volume  # its per-rank byte rules, counted in elements here
+
+    volume = exchange_volume(layouts, owners, world, 1, [list(range(len(layouts)))])
+    # pieces go out and results come back in separate collectives: a rank's link time is the sum
+    link = [sent + received for sent, received in zip(volume.bytes_sent, volume.bytes_received)]
+    movable: dict[int, list[int]] = {}
+    for i in sorted(pinned, key=lambda i: (-costs[i], i)):
+        movable.setdefault(owners[i], []).append(i)
+
+    def time(r: int, flops: float = 0.0, elements: int = 0) -> float:
+        parts = (load[r] + flops, flops_per_element * (link[r] + elements))
+        return max(parts) if overlap else sum(parts)
+
+    while True:
+        busiest = max(range(world), key=lambda r: (time(r), -r))
+        target = min((r for r in range(world) if r != busiest), key=lambda r: (time(r), r))
+        longest = time(busiest)
+        # a moved tensor travels whole both ways: to its new owner, and back as the result
+        move = next((i for i in movable.get(busiest, ())
+                     if max(time(busiest, -costs[i], 2 * layouts[i].numel),
+                            time(target, costs[i], 2 * layouts[i].numel)) < longest), None)
+        if move is None:
+            return
+        movable[busiest].remove(move)
+        owners[move] = target
+        load[busiest] -= costs[move]
+        load[target] += costs[move]
+        link[busiest] += 2 * layouts[move].numel
+        link[target] += 2 * layouts[move].numel
 
 
 def ns_load(layouts: list[TensorLayout], owners: list[int], world: int, ns_steps: int,

@@ -85,6 +85,7 @@ def exchange_over(
     comm_dtype: torch.dtype | None = None,
     ns_dtype: torch.dtype = torch.float32,
     overlap: bool = True,
+    flops_per_byte: float | None = None,
 ) -> Callable:
     """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``.
 
@@ -95,11 +96,12 @@ def exchange_over(
     tensors x ranks (0.3 s for Llama-3-8B's layouts under FSDP2 at 1024 ranks).
 
     A stacked tensor is exchanged matrix by matrix (see :func:`layout.exchanged_matrices`): each of
-    its matrices has its own owner."""
+    its matrices has its own owner. ``flops_per_byte``: see :func:`plan.assign_owners` (the wire's
+    bytes per element: ``comm_dtype``'s, or 4 for the fp32 updates)."""
     items = exchanged_matrices(layouts)
     item_layouts = [item.layout for item in items]
-    owners = assign_owners(item_layouts, world, ns_steps, ns_dtype)
     itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else None
+    owners = assign_owners(item_layouts, world, ns_steps, ns_dtype, flops_per_byte, itemsize or 4, overlap)
     buckets: dict[int, list[list[int]]] = {}  # by bytes per element on the wire
 
     # Where each item's piece lies in this rank's piece of its tensor: fixed, so derived once here.
@@ -152,18 +154,19 @@ def make_exchange(
     ns_dtype: torch.dtype = torch.float32,
     process_group: dist.ProcessGroup | None = None,
     overlap: bool = True,
+    flops_per_byte: float | None = None,
 ) -> Callable | None:
     """The exchange for whole or FSDP2-sharded ``params``, or ``None`` in a single process.
 
     ``stacked``: for all ``params``, or one flag per tensor (groups of stacked experts and of plain
     matrices share an exchange). Replicated ``params`` are exchanged over ``process_group`` (default:
-    the world); ``overlap``: see :func:`exchange_over`."""
+    the world); ``overlap``, ``flops_per_byte``: see :func:`exchange_over`."""
     where = process_group_of(params, process_group)
     if where is None:
         return None
     group, rank, world = where
     return exchange_over(layouts_of(params, stacked, world), group, rank, world, ns_steps, stats, bucket_bytes,
-                         comm_dtype, ns_dtype, overlap)
+                         comm_dtype, ns_dtype, overlap, flops_per_byte)
 
 
 def all_ranks_agree(flag: bool, params: list[Tensor], process_group: dist.ProcessGroup | None = None) -> bool:

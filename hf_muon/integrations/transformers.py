@@ -41,6 +41,7 @@ OPTIM_ARGS = {
     "ns_split": str,
     "telemetry": lambda v: _BOOL[v.lower()],
     "overlap_exchange": lambda v: _BOOL[v.lower()],
+    "exchange_flops_per_byte": float,
     "qk_clip_tau": float,
     # not Muon settings: the Trainer attaches these features when training begins
     "adaptive_lr": lambda v: _BOOL[v.lower()],
@@ -112,6 +113,7 @@ def check_optim_args(optim_args: str | None) -> dict[str, Any]:
         Muon._check_hyperparameters({**defaults, **options})
         if options.get("adamw_lr", 0) < 0:
             raise ValueError(f"adamw_lr must be >= 0, got {options['adamw_lr']}")
+        Muon._check_exchange_flops_per_byte(options.get("exchange_flops_per_byte"))
         for key in ("force_muon", "force_adamw"):
             if key in options:
                 try:

@@ -403,6 +403,13 @@ class Muon(Optimizer):
             bucket is orthogonalized and the one before returns, so traffic hides behind Newton–Schulz.
             ``False``: one bucket at a time (as few as ``bucket_bytes`` allows), the traffic and the
             work one after the other. Same results; the attribute may be changed between steps.
+        exchange_flops_per_byte: Newton–Schulz FLOPs that take as long as one byte of exchange
+            traffic on a rank's link (the NS FLOP rate over the link bandwidth; ``hf-muon plan``
+            prints it for an accelerator and an interconnect). ``None`` (the default): a matrix that
+            one rank holds whole is orthogonalized there, never moved. Given: such a matrix moves to a
+            less-loaded rank when that shortens the step by this cost model (FSDP2 shards a stack of
+            8 experts over its first 8 ranks only, which then run every expert's Newton–Schulz while
+            the others idle). Same results either way; the attribute may be changed between steps.
         process_group: the ranks replicated (DDP) parameters are exchanged over; ``None``: the
             default world. FSDP2 ``DTensor``s use their mesh's group, and flat partitions a backend
             hands over (DeepSpeed ZeRO) that backend's group.
@@ -449,6 +456,7 @@ class Muon(Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         comm_dtype: torch.dtype | None = None,
         overlap_exchange: bool = True,
+        exchange_flops_per_byte: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         orthogonalize_fn: OrthogonalizeFn | None = None,
         ns_split: str = "block",
@@ -472,6 +480,7 @@ class Muon(Optimizer):
                     group.setdefault("lr", adamw_lr)
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self._check_exchange_flops_per_byte(exchange_flops_per_byte)
         self._check_process_group(process_group, distributed)
         if orthogonalize_fn is not None and not callable(orthogonalize_fn):
             raise TypeError(f"orthogonalize_fn must be callable like hf_muon.kernels.orthogonalize, got {orthogonalize_fn!r}")
@@ -501,6 +510,7 @@ class Muon(Optimizer):
         self.bucket_bytes = bucket_bytes
         self.comm_dtype = comm_dtype
         self.overlap_exchange = bool(overlap_exchange)
+        self.exchange_flops_per_byte = exchange_flops_per_byte
         # Attributes, not group keys: a process group or a function would not survive state_dict().
         self.process_group = process_group
         self.orthogonalize_fn = orthogonalize_fn
@@ -760,6 +770,12 @@ class Muon(Optimizer):
                 exchange, replicated,
             )
 
+    @staticmethod
+    def _check_exchange_flops_per_byte(value: float | None) -> None:
+        if value is not None and not 0 < value < math.inf:
+            raise ValueError(f"exchange_flops_per_byte must be a positive number (your accelerator's Newton–Schulz "
+                             f"FLOP/s over your link's bytes/s; hf-muon plan prints it) or None, got {value}")
+
     def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None]]],
                       tensors: list[Tensor]) -> Exchange | None:
         """The exchange for a family of groups' tensors that have gradients (``members`` as
@@ -771,11 +787,12 @@ class Muon(Optimizer):
         plan_dtype = plan_ns_dtype(group["ns_dtype"])
         depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p), s) for p, s in zip(tensors, stacked)),
                       group["ns_steps"], plan_dtype, self.bucket_bytes, self.comm_dtype, self.overlap_exchange,
-                      self.process_group, id(self.exchange_stats))
+                      self.exchange_flops_per_byte, self.process_group, id(self.exchange_stats))
         planned = self._group_exchanges.get(family)
         if planned is None or planned[0] != depends_on:
             exchange = make_exchange(tensors, stacked, group["ns_steps"], self.exchange_stats, self.bucket_bytes,
-                                     self.comm_dtype, plan_dtype, self.process_group, overlap=self.overlap_exchange)
+                                     self.comm_dtype, plan_dtype, self.process_group, overlap=self.overlap_exchange,
+                                     flops_per_byte=self.exchange_flops_per_byte)
             planned = self._group_exchanges[family] = (depends_on, exchange)
         return planned[1]
 
@@ -797,12 +814,12 @@ class Muon(Optimizer):
             # The layout never changes, so neither do the owner plan, the shapes and the blocks: read them once.
             plan_dtype = plan_ns_dtype(group["ns_dtype"])
             plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange, self.bucket_bytes,
-                        self.comm_dtype, id(self.exchange_stats))
+                        self.comm_dtype, self.exchange_flops_per_byte, id(self.exchange_stats))
             if plan_key not in self._partition_exchanges:
                 self._partition_exchanges[plan_key] = (
                     exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
                                   self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype,
-                                  self.overlap_exchange),
+                                  self.overlap_exchange, self.exchange_flops_per_byte),
                     [layout.shape for layout in part.layouts], self._partition_blocks(group, part))
             exchange, shapes, blocks = self._partition_exchanges[plan_key]
             self._apply_muon([(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]), shapes,

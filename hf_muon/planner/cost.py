@@ -112,6 +112,10 @@ class Plan:
     times: StepTimes
     backend_seconds: float
     notes: list[str] = field(default_factory=list)
+    # the owner plan's link cost (``Muon(exchange_flops_per_byte=...)``; None: Muon's default) and
+    # the value for this accelerator and interconnect
+    exchange_flops_per_byte: float | None = None
+    hardware_flops_per_byte: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,7 +197,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
          comm_dtype: torch.dtype = torch.float32,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = 2, grad_bytes: int = 2,
          matmul_efficiency: float | None = None, plan_dtype: torch.dtype | None = None,
-         overlap: bool = True, sub_group_size: int | None = ZERO3_SUB_GROUP_SIZE) -> Plan:
+         overlap: bool = True, sub_group_size: int | None = ZERO3_SUB_GROUP_SIZE,
+         exchange_flops_per_byte: float | None = None) -> Plan:
     """The plan of ``tensors`` under ``layout`` over ``world`` ranks of ``device`` joined by ``link``.
 
     Args:
@@ -209,6 +214,10 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
             ``PIPELINE_BUCKETS``, or as few as ``bucket_bytes`` allows.
         sub_group_size: ZeRO-3 only: DeepSpeed's ``"sub_group_size"`` (elements of each rank's
             partition; default DeepSpeed's, ``None``: never cut), see :func:`zero3_sub_groups`.
+        exchange_flops_per_byte: as ``Muon(exchange_flops_per_byte=...)``: the owner plan may move a
+            matrix held whole by one rank (``None``: never, Muon's default). The plan's
+            ``hardware_flops_per_byte`` is the value for ``device`` and ``link``; when Muon's default
+            leaves matrices pinned and that value would shorten the step, a note says by how much.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
@@ -229,7 +238,10 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         efficiency = MEASURED_MATMUL_EFFICIENCY if device.measured else MATMUL_EFFICIENCY
     if not 0 < efficiency <= 1:
         raise ValueError(f"matmul efficiency must be in (0, 1], got {efficiency}")
+    if exchange_flops_per_byte is not None and not 0 < exchange_flops_per_byte < math.inf:
+        raise ValueError(f"exchange_flops_per_byte must be a positive number or None, got {exchange_flops_per_byte}")
     comm_itemsize = torch.empty(0, dtype=comm_dtype).element_size()
+    rate = (device.fp32_flops if ns_dtype in (torch.float32, torch.float64) else device.bf16_flops) * efficiency
 
     flops = [0.0] * world
     sent, received, buffers = [0] * world, [0] * world, [0] * world
@@ -237,6 +249,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     collectives: list[int] = []
     buckets = matrices = 0
     busiest_owners = 0.0  # summed over the exchanges, which run one after another
+    pinned = 0  # matrices held whole by one rank alone
     exchanges = _exchanges(layout, tensors, world, sub_group_size)
     for groups in exchanges:
         layouts = [lay for group in groups for lay in _layouts(layout, group, world)]
@@ -246,7 +259,12 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
                 muon_held[r] += end - start
         items = exchanged_matrices(layouts)  # what the exchange moves: stacks matrix by matrix
         item_layouts = [item.layout for item in items]
-        owners = assign_owners(item_layouts, world, ns_steps, plan_dtype or ns_dtype)
+        owners = assign_owners(item_layouts, world, ns_steps, plan_dtype or ns_dtype, exchange_flops_per_byte,
+                               comm_itemsize, overlap)
+        if world > 1:
+            for lay in item_layouts:
+                held = [r for r, (start, end) in enumerate(lay.ranges) if end > start]
+                pinned += len(held) == 1 and lay.holds_all(held[0])
         exchange_flops = [0.0] * world
         for item, owner in zip(items, owners):
             t = carried[item.source]
@@ -269,7 +287,6 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     state = [STATE_ITEMSIZE * (m + 2 * adamw_held) for m in muon_held]
     adamw_state = [STATE_ITEMSIZE * 2 * a for a in adamw_everything]
 
-    rate = (device.fp32_flops if ns_dtype in (torch.float32, torch.float64) else device.bf16_flops) * efficiency
     ns_s = busiest_owners / rate
     exchange_s = sum(b / link.bandwidth + link.latency for b in collectives)
     elementwise_s = max(MUON_BYTES_PER_ELEMENT * m + ADAMW_BYTES_PER_ELEMENT * adamw_held
@@ -298,6 +315,23 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     if layout == "ddp" and world > 2:
         notes.append(f"under DDP each owner sends its whole result to each of the {world - 1} other ranks in the "
                      "all-to-all (not a ring all-gather): its link carries (W-1) times the tensors it owns")
+    hardware_flops_per_byte = rate / link.bandwidth
+    step_s = times.muon_overlapped if overlap else times.muon_sum
+    if pinned and exchange_flops_per_byte is None:
+        moved = plan(tensors, layout, world, device, link, ns_steps=ns_steps, ns_dtype=ns_dtype, comm_dtype=comm_dtype,
+                     bucket_bytes=bucket_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                     matmul_efficiency=matmul_efficiency, plan_dtype=plan_dtype, overlap=overlap,
+                     sub_group_size=sub_group_size, exchange_flops_per_byte=hardware_flops_per_byte)
+        moved_s = moved.times.muon_overlapped if overlap else moved.times.muon_sum
+        if moved_s < 0.99 * step_s:
+            from .report import seconds_text as _ms  # report imports this module
+
+            notes.append(
+                f"{pinned} matrices are held whole by one rank each and orthogonalized there (Muon's default); "
+                f"Muon(exchange_flops_per_byte={hardware_flops_per_byte:.3g}) (the Newton–Schulz rate over the "
+                f"link's bandwidth here) lets the owner plan move some to idle ranks: step "
+                f"{_ms(moved_s)} instead of {_ms(step_s)} (Newton–Schulz {_ms(moved.times.newton_schulz)}, "
+                f"exchange {_ms(moved.times.exchange)}); plan it with --exchange_flops_per_byte")
     dtype_name = str(ns_dtype).replace("torch.", "")
     return Plan(
         model=tensors.name, layout=layout, world=world, accelerator=device.name, interconnect=link.name,
@@ -311,7 +345,9 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         state_bytes=Spread.of(state), adamw_state_bytes=Spread.of(adamw_state),
         owner_buffer_bytes=Spread.of(buffers), times=times,
         backend_seconds=backend_total / link.bandwidth, notes=notes,
+        exchange_flops_per_byte=exchange_flops_per_byte, hardware_flops_per_byte=hardware_flops_per_byte,
     )
+
 
 
 def shapes_tensors(shapes: list[tuple[int, ...]], name: str = "shapes") -> ModelTensors:

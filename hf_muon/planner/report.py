@@ -46,8 +46,11 @@ def plan_text(plan: Plan) -> str:
         f"Newton–Schulz: {p.ns_dtype}, {p.ns_steps} steps at {p.matmul_efficiency:.0%} of the matmul rate; "
         f"{p.busy_ranks} of {p.world} ranks own matrices; {p.exchanges} exchange{'s' if p.exchanges > 1 else ''} "
         f"in {p.comm_dtype}: {p.buckets} bucket{'s' if p.buckets != 1 else ''}, {p.exchange_collectives} all-to-all calls",
-        "",
     ]
+    if p.exchange_flops_per_byte is not None:
+        lines.append(f"owner plan: matrices held whole by one rank may move at {p.exchange_flops_per_byte:.3g} FLOP "
+                     f"per byte on the wire ({p.hardware_flops_per_byte:.3g} for this accelerator and link)")
+    lines.append("")
     spread = lambda s, text: [text(s.min), text(s.mean), text(s.max)]
     rows = [
         ["Newton–Schulz work"] + spread(p.ns_flops, flops_text),
