@@ -253,14 +253,10 @@ def test_a_stacks_matrices_are_cut_at_each_ranks_range():
     assert held == [((0, 384), None), ((0, 192), (192, 384)), (None, (0, 384))]
 
 
-def test_a_stacks_experts_get_their_own_owners_and_the_single_process_answer(fake):
-    """DDP's replicated stack spreads over both ranks (it had one owner, which gathered all of it);
-    ZeRO-3's split stack leaves experts 0 and 2 where they lie; FSDP2's dim-0 shards are whole
-    experts, orthogonalized in place."""
-    torch.manual_seed(0)
-    layouts = [replicated((4, 16, 24), True, 2), flat_sharded((3, 16, 24), True, 2), row_sharded((4, 8, 16), True, 2),
-               flat_sharded((16, 24), False, 2)]
-    wholes = [torch.randn(layout.shape) for layout in layouts]
+def exchange_in_threads(layouts, wholes, stats, **options):
+    """``sharding.exchange_over`` on 2 ranks played by threads (the ``fake`` collectives): each rank's
+    result, and per rank the ``(tensor index, shape)`` of every matrix its Newton–Schulz saw. The
+    result is checked against the single-process answer here."""
     seen: list[list[tuple]] = [[], []]
 
     def rank_main(rank: int):
@@ -269,7 +265,7 @@ def test_a_stacks_experts_get_their_own_owners_and_the_single_process_answer(fak
             return [orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).view(w.shape)
                     for w in whole]
 
-        exchange_fn = sharding.exchange_over(layouts, rank, rank, 2, 5, exchange.ExchangeStats(), bucket_bytes=4096)
+        exchange_fn = sharding.exchange_over(layouts, rank, rank, 2, 5, stats[rank], bucket_bytes=4096, **options)
         return exchange_fn([w.reshape(-1)[slice(*layout.ranges[rank])] for w, layout in zip(wholes, layouts)], ns)
 
     with ThreadPoolExecutor(2) as pool:
@@ -278,6 +274,18 @@ def test_a_stacks_experts_get_their_own_owners_and_the_single_process_answer(fak
         for i, (w, layout) in enumerate(zip(wholes, layouts)):
             expected = orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).reshape(-1)
             torch.testing.assert_close(results[rank][i], expected[slice(*layout.ranges[rank])], rtol=1e-5, atol=1e-6)
+    return seen
+
+
+def test_a_stacks_experts_get_their_own_owners_and_the_single_process_answer(fake):
+    """DDP's replicated stack spreads over both ranks (it had one owner, which gathered all of it);
+    ZeRO-3's split stack leaves experts 0 and 2 where they lie; FSDP2's dim-0 shards are whole
+    experts, orthogonalized in place."""
+    torch.manual_seed(0)
+    layouts = [replicated((4, 16, 24), True, 2), flat_sharded((3, 16, 24), True, 2), row_sharded((4, 8, 16), True, 2),
+               flat_sharded((16, 24), False, 2)]
+    wholes = [torch.randn(layout.shape) for layout in layouts]
+    seen = exchange_in_threads(layouts, wholes, [exchange.ExchangeStats(), exchange.ExchangeStats()])
     # no owner got a whole stack: each expert came alone, as a stack of one
     assert all(shape[0] == 1 for mine in seen for i, shape in mine if layouts[i].stacked)
     assert all(sum(i == 0 for i, _ in mine) >= 1 for mine in seen)  # the replicated stack kept both ranks busy
@@ -294,27 +302,10 @@ def test_experts_held_whole_by_one_rank_move_only_when_asked_with_the_same_answe
     stack = TensorLayout((4, 16, 24), True, ((0, 4 * 16 * 24), (0, 0)))
     layouts = [stack, replicated((16, 24), False, 2)]
     wholes = [torch.randn(layout.shape) for layout in layouts]
-    seen: list[list[int]] = [[], []]
     stats = [exchange.ExchangeStats(), exchange.ExchangeStats()]
-
-    def rank_main(rank: int):
-        def ns(whole, which):
-            seen[rank].extend(which)
-            return [orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).view(w.shape)
-                    for w in whole]
-
-        exchange_fn = sharding.exchange_over(layouts, rank, rank, 2, 5, stats[rank], bucket_bytes=4096,
-                                             flops_per_byte=flops_per_byte)
-        return exchange_fn([w.reshape(-1)[slice(*layout.ranges[rank])] for w, layout in zip(wholes, layouts)], ns)
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(rank_main, range(2)))
-    for rank in range(2):
-        for i, (w, layout) in enumerate(zip(wholes, layouts)):
-            expected = orthogonalize(w if w.ndim == 3 else w[None], 5, "quintic", torch.float32).reshape(-1)
-            torch.testing.assert_close(results[rank][i], expected[slice(*layout.ranges[rank])], rtol=1e-5, atol=1e-6)
-    moved = seen[1].count(0)
-    assert seen[0].count(0) + moved == 4  # each expert once
+    seen = exchange_in_threads(layouts, wholes, stats, flops_per_byte=flops_per_byte)
+    moved = sum(i == 0 for i, _ in seen[1])
+    assert sum(i == 0 for i, _ in seen[0]) + moved == 4  # each expert once
     expert = 16 * 24 * 4  # fp32 bytes of one expert
     if flops_per_byte is None:
         assert moved == 0 and stats[1].bytes_received == 0  # rank 1 owns the plain matrix, which it holds
