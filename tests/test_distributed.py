@@ -84,6 +84,27 @@ def test_stacked_experts_share_the_exchange(tmp_path, backend):
 
 
 @pytest.mark.slow
+def test_experts_held_whole_move_under_fsdp2_with_exchange_flops_per_byte(tmp_path):
+    """A 3-expert Mixtral under FSDP2 at 2 ranks: rank 0 holds experts 0-1 of every stack whole, rank 1
+    expert 2, and the other matrices cannot even that out. By default each expert is orthogonalized
+    where it lies; with Muon(exchange_flops_per_byte=1e-6) (nearly free links) the owner plan moves one
+    gate_up expert (384 x 48) to rank 1, which gathers it and sends its result back: same answer."""
+    steps = 3
+    (tmp_path / "kept").mkdir(), (tmp_path / "moved").mkdir()
+    kept = run_same_answer(tmp_path / "kept", "fsdp2", "--model", "mixtral3", "--steps", str(steps))
+    moved = run_same_answer(tmp_path / "moved", "fsdp2", "--model", "mixtral3", "--steps", str(steps),
+                            "--exchange_flops_per_byte", "1e-6")
+    for r in (kept, moved):
+        assert max(r["max_rel_diff"]) <= 1e-5
+        assert sum(r["ns_calls"]) == r["ns_matrices"] * steps  # each matrix once per step
+    assert moved["ns_calls"] == [kept["ns_calls"][0] - steps, kept["ns_calls"][1] + steps]
+    expert = 384 * 48 * 4  # fp32 bytes: out to rank 1 (rank 0 sends), back to rank 0 (rank 1 sends)
+    for rank in range(2):
+        assert moved["bytes_sent"][rank] == kept["bytes_sent"][rank] + steps * expert
+        assert moved["bytes_received"][rank] == kept["bytes_received"][rank] + steps * expert
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, model", [("ddp", "gpt2"), ("fsdp2", "gpt2"), ("fsdp2", "phi3"), ("fsdp2", "neox"),
                                             ("fsdp2", "falcon")])
 def test_fused_blocks_give_the_single_process_answer(tmp_path, backend, model):

@@ -46,7 +46,7 @@ class Block(nn.Module):
         return self.head(self.norm(h))
 
 
-MODELS = ("block", "gpt2", "phi3", "neox", "falcon", "mixtral")
+MODELS = ("block", "gpt2", "phi3", "neox", "falcon", "mixtral", "mixtral3")
 
 
 def build(name: str) -> nn.Module:
@@ -71,6 +71,11 @@ def build(name: str) -> nn.Module:
         "mixtral": lambda: T.MixtralConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                            num_experts_per_tok=2, **common),
+        # 3 experts: FSDP2 at 2 ranks leaves experts 0-1 of each stack whole on rank 0, expert 2 on rank 1;
+        # large enough (intermediate 192) that the other matrices cannot even that out
+        "mixtral3": lambda: T.MixtralConfig(hidden_size=48, intermediate_size=192, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+                                            num_experts_per_tok=2, **common),
     }
     return T.AutoModelForCausalLM.from_config(configs[name]())
 
@@ -176,6 +181,7 @@ def main() -> None:
     # "per_tensor": one param group per parameter (as a user's per-layer learning rates make), every
     # other matrix's with 4 Newton–Schulz steps
     parser.add_argument("--groups", choices=["model", "per_tensor"], default="model")
+    parser.add_argument("--exchange_flops_per_byte", type=float, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
@@ -207,7 +213,8 @@ def main() -> None:
     elif args.process_group == "per_rank":  # every rank creates every group, in the same order
         opt_kwargs["process_group"] = [dist.new_group([r]) for r in range(world)][rank]
     wrapped = wrap(args.backend, model, world)
-    opt = Muon(params_of(model), comm_dtype=comm_dtype, **opt_kwargs)
+    opt = Muon(params_of(model), comm_dtype=comm_dtype, exchange_flops_per_byte=args.exchange_flops_per_byte,
+               **opt_kwargs)
     plans = {"n": 0}
     real_make_exchange = muon_module.make_exchange
 
