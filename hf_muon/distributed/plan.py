@@ -16,7 +16,8 @@ def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
                   itemsize: int = 4, overlap: bool = True) -> list[int]:
     """One owner rank per tensor.
 
-    A tensor held whole by exactly one rank stays there (moving it would only add traffic).
+    A tensor held whole by exactly one rank stays there (moving it adds traffic; see
+    ``flops_per_byte`` for when it pays).
     The rest go, largest cost first, to the least-loaded rank (longest-processing-time greedy),
     preferring on a tie a rank that already holds the whole tensor, then the lowest rank. The
     result depends only on the arguments, so every rank that passes the same ones computes the

@@ -323,15 +323,16 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
                      matmul_efficiency=matmul_efficiency, plan_dtype=plan_dtype, overlap=overlap,
                      sub_group_size=sub_group_size, exchange_flops_per_byte=hardware_flops_per_byte)
         moved_s = moved.times.muon_overlapped if overlap else moved.times.muon_sum
-        if moved_s < 0.99 * step_s:
-            from .report import seconds_text as _ms  # report imports this module
+        if moved_s < 0.9 * step_s:  # worth a note: a tenth of the step or more
+            from .report import seconds_text  # report imports this module
 
             notes.append(
                 f"{pinned} matrices are held whole by one rank each and orthogonalized there (Muon's default); "
                 f"Muon(exchange_flops_per_byte={hardware_flops_per_byte:.3g}) (the Newton–Schulz rate over the "
                 f"link's bandwidth here) lets the owner plan move some to idle ranks: step "
-                f"{_ms(moved_s)} instead of {_ms(step_s)} (Newton–Schulz {_ms(moved.times.newton_schulz)}, "
-                f"exchange {_ms(moved.times.exchange)}); plan it with --exchange_flops_per_byte")
+                f"{seconds_text(moved_s)} instead of {seconds_text(step_s)} (Newton–Schulz "
+                f"{seconds_text(moved.times.newton_schulz)}, exchange {seconds_text(moved.times.exchange)}); "
+                "plan it with --exchange_flops_per_byte")
     dtype_name = str(ns_dtype).replace("torch.", "")
     return Plan(
         model=tensors.name, layout=layout, world=world, accelerator=device.name, interconnect=link.name,
@@ -347,7 +348,6 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         backend_seconds=backend_total / link.bandwidth, notes=notes,
         exchange_flops_per_byte=exchange_flops_per_byte, hardware_flops_per_byte=hardware_flops_per_byte,
     )
-
 
 
 def shapes_tensors(shapes: list[tuple[int, ...]], name: str = "shapes") -> ModelTensors:
