@@ -151,6 +151,21 @@ def test_llama_ddp_large_world_by_hand():
     assert p.ns_flops.max == gram(64, 176)
 
 
+def test_ddp_notes_when_each_rank_alone_would_be_faster():
+    # 64 ranks of the tiny Llama: 8 all-to-alls of latency cost more than one rank's whole Newton–Schulz
+    (p,) = plans(tiny_llama(), "ddp", [64])
+    alone = LLAMA_NS / (67e12 * 0.6) + p.times.elementwise  # fp32 at 60% of the H100's 67 TFLOP/s
+    assert alone < 0.9 * p.times.muon_overlapped
+    (note,) = [n for n in p.notes if n.startswith("Muon(distributed=False) would be faster here")]
+    assert f"instead of {p.times.muon_overlapped * 1e3:.1f} ms" in note
+    # 2 ranks of a slow accelerator: Newton–Schulz dominates, and sharing it halves it: no note
+    (q,) = plans(tiny_llama(), "ddp", [2], peak_tflops=1e-3)
+    assert q.times.newton_schulz < 0.6 * LLAMA_NS / (1e9 * 0.6)
+    assert not any("distributed=False" in n for n in q.notes)
+    (z,) = plans(tiny_llama(), "zero3", [64])  # ranks hold pieces: they cannot go alone
+    assert not any("distributed=False" in n for n in z.notes)
+
+
 # ---- tiny GPT-2: c_attn 64x192 in three 64x64 blocks, c_proj 64x64, c_fc 64x256, mlp.c_proj 256x64 --------
 def test_gpt2_fused_blocks_by_hand():
     (p,) = plans(tiny_gpt2(), "fsdp2", [2])

@@ -317,6 +317,15 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
                      "all-to-all (not a ring all-gather): its link carries (W-1) times the tensors it owns")
     hardware_flops_per_byte = rate / link.bandwidth
     step_s = times.muon_overlapped if overlap else times.muon_sum
+    from .report import seconds_text  # report imports this module
+
+    if layout == "ddp" and world > 1:
+        # every rank holds every gradient: it could orthogonalize all of them itself, with no exchange
+        alone_s = sum(flops) / rate + elementwise_s
+        if alone_s < 0.9 * step_s:
+            notes.append(f"Muon(distributed=False) would be faster here: each rank orthogonalizes every matrix "
+                         f"itself ({seconds_text(sum(flops) / rate)} of Newton–Schulz) and nothing is exchanged, "
+                         f"step {seconds_text(alone_s)} instead of {seconds_text(step_s)}")
     if pinned and exchange_flops_per_byte is None:
         moved = plan(tensors, layout, world, device, link, ns_steps=ns_steps, ns_dtype=ns_dtype, comm_dtype=comm_dtype,
                      bucket_bytes=bucket_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,
@@ -324,8 +333,6 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
                      sub_group_size=sub_group_size, exchange_flops_per_byte=hardware_flops_per_byte)
         moved_s = moved.times.muon_overlapped if overlap else moved.times.muon_sum
         if moved_s < 0.9 * step_s:  # worth a note: a tenth of the step or more
-            from .report import seconds_text  # report imports this module
-
             notes.append(
                 f"{pinned} matrices are held whole by one rank each and orthogonalized there (Muon's default); "
                 f"Muon(exchange_flops_per_byte={hardware_flops_per_byte:.3g}) (the Newton–Schulz rate over the "
