@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from hf_muon.distributed.layout import TensorLayout, flat_sharded, replicated, row_sharded
 from hf_muon.distributed.plan import assign_owners, ns_load
@@ -105,6 +106,21 @@ def test_experts_held_whole_move_under_fsdp2_with_exchange_flops_per_byte(tmp_pa
 
 
 @pytest.mark.slow
+def test_ddp_ranks_go_alone_when_the_exchange_does_not_pay(tmp_path):
+    """DDP at 2 ranks with exchange_flops_per_byte=1e12 (a link a trillion times slower than Newton–Schulz):
+    no exchange is made, each rank orthogonalizes every matrix itself, nothing is sent, same answer.
+    At 1e-6 the exchange pays and each matrix is orthogonalized once, on its owner."""
+    (tmp_path / "slow").mkdir(), (tmp_path / "fast").mkdir()
+    alone = run_same_answer(tmp_path / "slow", "ddp", "--steps", "3", "--exchange_flops_per_byte", "1e12")
+    shared = run_same_answer(tmp_path / "fast", "ddp", "--steps", "3", "--exchange_flops_per_byte", "1e-6")
+    for r in (alone, shared):
+        assert max(r["max_rel_diff"]) <= 1e-5
+    assert alone["ns_calls"] == [alone["ns_matrices"] * 3] * 2  # every matrix on every rank
+    assert alone["bytes_sent"] == alone["bytes_received"] == [0, 0]
+    assert sum(shared["ns_calls"]) == shared["ns_matrices"] * 3 and min(shared["bytes_sent"]) > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, model", [("ddp", "gpt2"), ("fsdp2", "gpt2"), ("fsdp2", "phi3"), ("fsdp2", "neox"),
                                             ("fsdp2", "falcon")])
 def test_fused_blocks_give_the_single_process_answer(tmp_path, backend, model):
@@ -180,6 +196,25 @@ def test_owner_plan_moves_tensors_held_whole_only_when_links_are_cheap_enough():
     assert assign_owners(layouts, 4, 5, flops_per_byte=per_byte, itemsize=2) == [1, 2, 3, 0]
     with pytest.raises(ValueError, match="flops_per_byte must be > 0"):
         assign_owners(layouts, 4, 5, flops_per_byte=0.0)
+
+
+def test_exchange_pays_by_hand():
+    """4 equal matrices on 4 DDP ranks: one owner each, one bucket whose return all-to-all has each
+    owner send its result to 3 ranks and receive 3 (3 n elements, 4 bytes each, per direction).
+    Exchanged: max(c, 12 n f) overlapped, c + 12 n f synchronous; alone: 4 c."""
+    from hf_muon.distributed.plan import exchange_pays
+
+    layouts = [replicated((64, 64), False, 4)] * 4
+    c, n = layouts[0].ns_flops(5), layouts[0].numel
+    even = c / (3 * n)  # f at which 12 n f = 4 c
+    assert exchange_pays(layouts, 4, 5, torch.float32, 0.9 * even, 4, 2**28)
+    assert not exchange_pays(layouts, 4, 5, torch.float32, 1.1 * even, 4, 2**28)
+    assert exchange_pays(layouts, 4, 5, torch.float32, 1.1 * even, 2, 2**28)  # bf16 on the wire halves it
+    # synchronous: c + 12 n f < 4 c needs f < c / (4 n) = 0.75 even
+    assert not exchange_pays(layouts, 4, 5, torch.float32, 0.9 * even, 4, 2**28, overlap=False)
+    assert exchange_pays(layouts, 4, 5, torch.float32, 0.7 * even, 4, 2**28, overlap=False)
+    # only a choice where every rank holds everything: sharded tensors always exchange
+    assert exchange_pays([row_sharded((64, 64), False, 4)] * 4, 4, 5, torch.float32, 1e9, 4, 2**28)
 
 
 def test_owner_plan_costs_what_the_kernel_runs():

@@ -164,6 +164,16 @@ def test_ddp_notes_when_each_rank_alone_would_be_faster():
     assert not any("distributed=False" in n for n in q.notes)
     (z,) = plans(tiny_llama(), "zero3", [64])  # ranks hold pieces: they cannot go alone
     assert not any("distributed=False" in n for n in z.notes)
+    # with the hardware's exchange_flops_per_byte (as the note says) Muon drops the exchange itself,
+    # and the plan shows that step: all of the Newton–Schulz on every rank, nothing on the wire
+    (alone,) = plans(tiny_llama(), "ddp", [64], exchange_flops_per_byte=p.hardware_flops_per_byte)
+    assert f"Muon(exchange_flops_per_byte={p.hardware_flops_per_byte:.3g}) makes that choice itself" in note
+    assert alone.ns_flops.min == alone.ns_flops.max == LLAMA_NS and alone.busy_ranks == 64
+    assert alone.exchange_sent.max == 0 and alone.exchange_collectives == 0 and alone.exchanges == 0
+    assert alone.times.muon_overlapped == pytest.approx(LLAMA_NS / (67e12 * 0.6) + alone.times.elementwise)
+    assert any(n.startswith("every rank orthogonalizes every matrix itself") for n in alone.notes)
+    (shared,) = plans(tiny_llama(), "ddp", [64], exchange_flops_per_byte=1e-9)  # nearly free links: exchange
+    assert shared.exchange_sent.max > 0 and shared.ns_flops.max == gram(64, 176)
 
 
 # ---- tiny GPT-2: c_attn 64x192 in three 64x64 blocks, c_proj 64x64, c_fc 64x256, mlp.c_proj 256x64 --------

@@ -307,13 +307,19 @@ class ExchangeVolume:
     ``collective_bytes``: per ``all_to_all_single`` call, in issue order, the most any one rank sends
     or receives in it (the slowest rank sets the call's time). ``peak_buffer_bytes``: per rank, the
     largest sum over one bucket of the buffers the exchange allocates (send/receive buffers, the
-    owner's assembled tensors and its results): the owner's temporary memory."""
+    owner's assembled tensors and its results): the owner's temporary memory. ``gather_sent``,
+    ``gather_received``, ``return_sent``, ``return_received``: per rank, ``bytes_sent`` and
+    ``bytes_received`` split by phase (pieces to owners, results back), which are separate calls."""
 
     bytes_sent: list[int]
     bytes_received: list[int]
     collective_bytes: list[int]
     peak_buffer_bytes: list[int]
     buckets: int
+    gather_sent: list[int]
+    gather_received: list[int]
+    return_sent: list[int]
+    return_received: list[int]
 
 
 def exchange_volume(layouts: list[TensorLayout], owners: list[int], world: int, comm_itemsize: int,
@@ -329,6 +335,7 @@ def exchange_volume(layouts: list[TensorLayout], owners: list[int], world: int, 
     if len(owners) != len(layouts):
         raise ValueError(f"{len(owners)} owners for {len(layouts)} layouts")
     sent, received = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
+    phases = np.zeros((4, world), dtype=np.int64)  # gather out, gather in, return out, return in
     peak = np.zeros(world, dtype=np.int64)
     collectives: list[int] = []
     for bucket in buckets:
@@ -358,6 +365,7 @@ def exchange_volume(layouts: list[TensorLayout], owners: list[int], world: int, 
                 collectives.append(int(np.maximum(out, into).max()) * comm_itemsize)
                 sent += out * comm_itemsize
                 received += into * comm_itemsize
+        phases += np.stack([gather_out, gather_in, back_out, back_in]) * comm_itemsize
         bucket_buffers = (gather_out + gather_in + back_out + back_in) * comm_itemsize + owned * piece_itemsize
         peak = np.maximum(peak, bucket_buffers)
-    return ExchangeVolume(sent.tolist(), received.tolist(), collectives, peak.tolist(), len(buckets))
+    return ExchangeVolume(sent.tolist(), received.tolist(), collectives, peak.tolist(), len(buckets), *phases.tolist())

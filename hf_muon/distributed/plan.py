@@ -28,8 +28,9 @@ def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
     tensor held whole by one rank may still move: while the rank with the longest time holds such
     tensors, its largest one whose move to the rank with the shortest time brings both below that
     longest time moves there. A rank's time is its NS FLOPs and ``flops_per_byte`` times its
-    exchange bytes (sent and received: pieces and results travel in separate collectives), the
-    larger of the two with ``overlap`` (the pipelined exchange), their sum without. FSDP2 shards a
+    exchange bytes (per phase the larger direction, summed over the two phases: pieces and results
+    travel in separate collectives), the larger of the two with ``overlap`` (the pipelined
+    exchange), their sum without. FSDP2 shards a
     stack of 8 experts over its first 8 ranks only: at 64 ranks those 8 would otherwise run every
     expert's Newton–Schulz while 56 idle. ``None``: never moved.
     """
@@ -57,39 +58,61 @@ def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
     return owners
 
 
+class _Links:
+    """Each rank's exchange traffic in elements, by phase. Pieces go to owners in one collective and
+    results come back in another, so a rank's link time is the larger direction of each phase, summed."""
+
+    def __init__(self, layouts: list[TensorLayout], owners: list[int], world: int) -> None:
+        from .exchange import exchange_volume  # its per-rank byte rules, counted in elements here
+
+        volume = exchange_volume(layouts, owners, world, 1, [list(range(len(layouts)))])
+        self.phases = [volume.gather_sent, volume.gather_received, volume.return_sent, volume.return_received]
+
+    def elements(self, r: int, holder: int = 0, owner: int = 0) -> int:
+        """Rank ``r``'s link time in elements, with ``holder`` and ``owner`` more elements as the
+        holder and as the new owner of a matrix that one rank holds whole."""
+        g_out, g_in, r_out, r_in = (phase[r] for phase in self.phases)
+        return max(g_out + holder, g_in + owner) + max(r_out + owner, r_in + holder)
+
+    def move(self, holder: int, owner: int, numel: int) -> None:
+        """A matrix of ``numel`` elements held whole by ``holder`` is now owned by ``owner``."""
+        for phase, rank in zip(self.phases, (holder, owner, owner, holder)):
+            phase[rank] += numel
+
+
+def _rank_time(flops: float, elements: int, flops_per_element: float, overlap: bool) -> float:
+    """A rank's time in FLOPs: its Newton–Schulz and its link, overlapped (the larger) or one after the other."""
+    parts = (flops, flops_per_element * elements)
+    return max(parts) if overlap else sum(parts)
+
+
 def _unpin(layouts: list[TensorLayout], owners: list[int], load: list[float], costs: list[float],
            pinned: list[int], world: int, flops_per_element: float, overlap: bool) -> None:
     """Move tensors held whole by one rank off the rank with the longest time while that shortens it
     (see :func:`assign_owners`); ``owners`` and ``load`` are updated in place."""
-    from .exchange import exchange_volume  # its per-rank byte rules, counted in elements here
-
-    volume = exchange_volume(layouts, owners, world, 1, [list(range(len(layouts)))])
-    # pieces go out and results come back in separate collectives: a rank's link time is the sum
-    link = [sent + received for sent, received in zip(volume.bytes_sent, volume.bytes_received)]
+    links = _Links(layouts, owners, world)
     movable: dict[int, list[int]] = {}
     for i in sorted(pinned, key=lambda i: (-costs[i], i)):
         movable.setdefault(owners[i], []).append(i)
 
-    def time(r: int, flops: float = 0.0, elements: int = 0) -> float:
-        parts = (load[r] + flops, flops_per_element * (link[r] + elements))
-        return max(parts) if overlap else sum(parts)
+    def time(r: int, flops: float = 0.0, holder: int = 0, owner: int = 0) -> float:
+        return _rank_time(load[r] + flops, links.elements(r, holder, owner), flops_per_element, overlap)
 
     while True:
         busiest = max(range(world), key=lambda r: (time(r), -r))
         target = min((r for r in range(world) if r != busiest), key=lambda r: (time(r), r))
         longest = time(busiest)
-        # a moved tensor travels whole both ways: to its new owner, and back as the result
+        # a moved matrix travels whole both ways: to its new owner, and back as the result
         move = next((i for i in movable.get(busiest, ())
-                     if max(time(busiest, -costs[i], 2 * layouts[i].numel),
-                            time(target, costs[i], 2 * layouts[i].numel)) < longest), None)
+                     if max(time(busiest, -costs[i], holder=layouts[i].numel),
+                            time(target, costs[i], owner=layouts[i].numel)) < longest), None)
         if move is None:
             return
         movable[busiest].remove(move)
         owners[move] = target
         load[busiest] -= costs[move]
         load[target] += costs[move]
-        link[busiest] += 2 * layouts[move].numel
-        link[target] += 2 * layouts[move].numel
+        links.move(busiest, target, layouts[move].numel)
 
 
 def ns_load(layouts: list[TensorLayout], owners: list[int], world: int, ns_steps: int,
@@ -155,3 +178,25 @@ def plan_buckets(layouts: list[TensorLayout], owners: list[int], world: int, ns_
         if parts >= most or all(sum(sizes[i] for i in bucket) <= bucket_bytes for bucket in buckets):
             return buckets
         parts += 1
+
+
+def exchange_pays(layouts: list[TensorLayout], world: int, ns_steps: int, ns_dtype: torch.dtype,
+                  flops_per_byte: float, itemsize: int, bucket_bytes: int, overlap: bool = True) -> bool:
+    """Whether the exchange beats every rank orthogonalizing every tensor itself. Only a choice where
+    every rank holds every tensor whole (DDP, gradients all-reduced): ``True`` otherwise.
+
+    The exchange's time is ``hf-muon plan``'s: the busiest owner's Newton–Schulz and the sum over
+    its collectives of the most bytes one rank moves in each (times ``flops_per_byte``), the larger
+    of the two with ``overlap``, their sum without; alone, a rank runs all the Newton–Schulz. Under
+    DDP over IB 400G, Llama-3-8B's exchange pays at 8 ranks and not at 64."""
+    from .exchange import exchange_volume
+
+    if world == 1 or not all(layout.holds_all(r) for layout in layouts for r in range(world)):
+        return True
+    owners = assign_owners(layouts, world, ns_steps, ns_dtype, flops_per_byte, itemsize, overlap)
+    load = ns_load(layouts, owners, world, ns_steps, ns_dtype)
+    buckets = plan_buckets(layouts, owners, world, ns_steps, itemsize, bucket_bytes,
+                           PIPELINE_BUCKETS if overlap else 1, ns_dtype)
+    link = flops_per_byte * sum(exchange_volume(layouts, owners, world, itemsize, buckets).collective_bytes)
+    exchanged = max(max(load), link) if overlap else max(load) + link
+    return exchanged < sum(load)

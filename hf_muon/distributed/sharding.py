@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
 from .layout import TensorLayout, exchanged_matrices, replicated, row_sharded
-from .plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
+from .plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, plan_buckets
 
 
 def _dtensor_cls():
@@ -156,7 +156,9 @@ def make_exchange(
     overlap: bool = True,
     flops_per_byte: float | None = None,
 ) -> Callable | None:
-    """The exchange for whole or FSDP2-sharded ``params``, or ``None`` in a single process.
+    """The exchange for whole or FSDP2-sharded ``params``, or ``None``: in a single process, or when
+    every rank holds every tensor (DDP) and, by ``flops_per_byte``'s cost model, each rank
+    orthogonalizing all of them itself is faster than the exchange (:func:`plan.exchange_pays`).
 
     ``stacked``: for all ``params``, or one flag per tensor (groups of stacked experts and of plain
     matrices share an exchange). Replicated ``params`` are exchanged over ``process_group`` (default:
@@ -165,8 +167,14 @@ def make_exchange(
     if where is None:
         return None
     group, rank, world = where
-    return exchange_over(layouts_of(params, stacked, world), group, rank, world, ns_steps, stats, bucket_bytes,
-                         comm_dtype, ns_dtype, overlap, flops_per_byte)
+    layouts = layouts_of(params, stacked, world)
+    if flops_per_byte is not None:
+        itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else 4
+        items = [item.layout for item in exchanged_matrices(layouts)]
+        if not exchange_pays(items, world, ns_steps, ns_dtype, flops_per_byte, itemsize, bucket_bytes, overlap):
+            return None
+    return exchange_over(layouts, group, rank, world, ns_steps, stats, bucket_bytes, comm_dtype, ns_dtype, overlap,
+                         flops_per_byte)
 
 
 def all_ranks_agree(flag: bool, params: list[Tensor], process_group: dist.ProcessGroup | None = None) -> bool:

@@ -409,7 +409,9 @@ class Muon(Optimizer):
             one rank holds whole is orthogonalized there, never moved. Given: such a matrix moves to a
             less-loaded rank when that shortens the step by this cost model (FSDP2 shards a stack of
             8 experts over its first 8 ranks only, which then run every expert's Newton–Schulz while
-            the others idle). Same results either way; the attribute may be changed between steps.
+            the others idle), and under DDP, when the exchange does not pay, every rank
+            orthogonalizes every matrix itself and nothing is exchanged (as with
+            ``distributed=False``). Same results either way; the attribute may be changed between steps.
         process_group: the ranks replicated (DDP) parameters are exchanged over; ``None``: the
             default world. FSDP2 ``DTensor``s use their mesh's group, and flat partitions a backend
             hands over (DeepSpeed ZeRO) that backend's group.

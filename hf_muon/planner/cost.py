@@ -31,7 +31,7 @@ import torch
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, exchange_volume
 from ..distributed.layout import (TensorLayout, exchanged_matrices, flat_sharded, group_flat_sharded, replicated,
                                   row_sharded)
-from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
+from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, plan_buckets
 from ..kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps, orthogonalize_flops
 from .model import ModelTensors, PlanTensor
 from .presets import Accelerator, Interconnect
@@ -250,6 +250,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     buckets = matrices = 0
     busiest_owners = 0.0  # summed over the exchanges, which run one after another
     pinned = 0  # matrices held whole by one rank alone
+    alone = False  # whether each rank orthogonalizes everything itself (DDP, when the exchange does not pay)
     exchanges = _exchanges(layout, tensors, world, sub_group_size)
     for groups in exchanges:
         layouts = [lay for group in groups for lay in _layouts(layout, group, world)]
@@ -270,8 +271,16 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
             t = carried[item.source]
             exchange_flops[owner] += executed_flops(t, item.layout, ns_steps, ns_dtype)
             matrices += len(t.blocks) if t.blocks is not None else 1  # an item is one matrix
+        if exchange_flops_per_byte is not None and not exchange_pays(
+                item_layouts, world, ns_steps, plan_dtype or ns_dtype, exchange_flops_per_byte, comm_itemsize,
+                bucket_bytes, overlap):
+            # as Muon decides it (make_exchange): every rank runs all the Newton–Schulz, nothing moves
+            exchange_flops = [sum(exchange_flops)] * world
+            alone = True
         flops = [a + b for a, b in zip(flops, exchange_flops)]
         busiest_owners += max(exchange_flops)
+        if alone:
+            continue
         buckets_of_group = plan_buckets(item_layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
                                         PIPELINE_BUCKETS if overlap else 1, plan_dtype or ns_dtype)
         volume = exchange_volume(item_layouts, owners, world, comm_itemsize, buckets_of_group, STATE_ITEMSIZE)
@@ -312,7 +321,11 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         notes.append(f"the exchange's temporary buffers reach {max(buffers) / 2**30:.1f} GiB on one rank "
                      f"({100 * max(buffers) / device.memory_bytes:.0f}% of a {device.name}'s memory); "
                      "lower Muon's bucket_bytes (they scale with it) or use a sharded layout")
-    if layout == "ddp" and world > 2:
+    if alone:
+        notes.append(f"every rank orthogonalizes every matrix itself and nothing is exchanged: at "
+                     f"exchange_flops_per_byte={exchange_flops_per_byte:.3g} the exchange does not pay (Muon decides "
+                     "the same when it makes the exchange)")
+    elif layout == "ddp" and world > 2:
         notes.append(f"under DDP each owner sends its whole result to each of the {world - 1} other ranks in the "
                      "all-to-all (not a ring all-gather): its link carries (W-1) times the tensors it owns")
     hardware_flops_per_byte = rate / link.bandwidth
@@ -325,7 +338,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         if alone_s < 0.9 * step_s:
             notes.append(f"Muon(distributed=False) would be faster here: each rank orthogonalizes every matrix "
                          f"itself ({seconds_text(sum(flops) / rate)} of Newton–Schulz) and nothing is exchanged, "
-                         f"step {seconds_text(alone_s)} instead of {seconds_text(step_s)}")
+                         f"step {seconds_text(alone_s)} instead of {seconds_text(step_s)}; "
+                         f"Muon(exchange_flops_per_byte={hardware_flops_per_byte:.3g}) makes that choice itself")
     if pinned and exchange_flops_per_byte is None:
         moved = plan(tensors, layout, world, device, link, ns_steps=ns_steps, ns_dtype=ns_dtype, comm_dtype=comm_dtype,
                      bucket_bytes=bucket_bytes, param_bytes=param_bytes, grad_bytes=grad_bytes,
@@ -348,7 +362,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         muon_params=tensors.muon_params, adamw_params=tensors.adamw_params,
         ns_flops=Spread.of(flops), busy_ranks=busy, exchange_sent=Spread.of(sent),
         exchange_received=Spread.of(received), exchange_collectives=len(collectives), buckets=buckets,
-        exchanges=len(exchanges),
+        exchanges=0 if alone else len(exchanges),
         backend_bytes=Spread(backend_total, backend_total, backend_total), backend_detail=backend,
         state_bytes=Spread.of(state), adamw_state_bytes=Spread.of(adamw_state),
         owner_buffer_bytes=Spread.of(buffers), times=times,
