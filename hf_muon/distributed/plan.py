@@ -30,9 +30,9 @@ def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
     longest time moves there. A rank's time is its NS FLOPs and ``flops_per_byte`` times its
     exchange bytes (per phase the larger direction, summed over the two phases: pieces and results
     travel in separate collectives), the larger of the two with ``overlap`` (the pipelined
-    exchange), their sum without. FSDP2 shards a
-    stack of 8 experts over its first 8 ranks only: at 64 ranks those 8 would otherwise run every
-    expert's Newton–Schulz while 56 idle. ``None``: never moved.
+    exchange), their sum without. FSDP2 shards a stack of 8 experts over its first 8 ranks only:
+    at 64 ranks those 8 would otherwise run every expert's Newton–Schulz while 56 idle. ``None``:
+    never moved.
     """
     if flops_per_byte is not None and not flops_per_byte > 0:
         raise ValueError(f"flops_per_byte must be > 0 (or None), got {flops_per_byte}")
