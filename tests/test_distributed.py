@@ -200,21 +200,26 @@ def test_owner_plan_moves_tensors_held_whole_only_when_links_are_cheap_enough():
 
 def test_exchange_pays_by_hand():
     """4 equal matrices on 4 DDP ranks: one owner each, one bucket whose return all-to-all has each
-    owner send its result to 3 ranks and receive 3 (3 n elements, 4 bytes each, per direction).
-    Exchanged: max(c, 12 n f) overlapped, c + 12 n f synchronous; alone: 4 c."""
-    from hf_muon.distributed.plan import exchange_pays
+    owner send its result to 3 ranks and receive 3 (3 n elements per direction). Exchanged:
+    max(c, 3 n s f) overlapped, c + 3 n s f synchronous (s bytes per element); alone: 4 c. The
+    decision is exchange_over's: no exchange (None) when alone is faster."""
+    from hf_muon.distributed.exchange import ExchangeStats
+    from hf_muon.distributed.sharding import exchange_over
 
     layouts = [replicated((64, 64), False, 4)] * 4
     c, n = layouts[0].ns_flops(5), layouts[0].numel
-    even = c / (3 * n)  # f at which 12 n f = 4 c
-    assert exchange_pays(layouts, 4, 5, torch.float32, 0.9 * even, 4, 2**28)
-    assert not exchange_pays(layouts, 4, 5, torch.float32, 1.1 * even, 4, 2**28)
-    assert exchange_pays(layouts, 4, 5, torch.float32, 1.1 * even, 2, 2**28)  # bf16 on the wire halves it
+    even = c / (3 * n)  # f at which 3 n 4 f = 4 c
+
+    def pays(f, comm_dtype=None, overlap=True, lays=layouts):
+        return exchange_over(lays, None, 0, 4, 5, ExchangeStats(), comm_dtype=comm_dtype, overlap=overlap,
+                             flops_per_byte=f) is not None
+
+    assert pays(0.9 * even) and not pays(1.1 * even)
+    assert pays(1.1 * even, torch.bfloat16)  # bf16 on the wire halves the link's part
     # synchronous: c + 12 n f < 4 c needs f < c / (4 n) = 0.75 even
-    assert not exchange_pays(layouts, 4, 5, torch.float32, 0.9 * even, 4, 2**28, overlap=False)
-    assert exchange_pays(layouts, 4, 5, torch.float32, 0.7 * even, 4, 2**28, overlap=False)
-    # only a choice where every rank holds everything: sharded tensors always exchange
-    assert exchange_pays([row_sharded((64, 64), False, 4)] * 4, 4, 5, torch.float32, 1e9, 4, 2**28)
+    assert not pays(0.9 * even, overlap=False) and pays(0.7 * even, overlap=False)
+    # without the setting, or with a sharded tensor among them (its ranks cannot go alone): exchanged
+    assert pays(None) and pays(1e9, lays=[replicated((64, 64), False, 4)] * 3 + [row_sharded((64, 64), False, 4)])
 
 
 def test_owner_plan_costs_what_the_kernel_runs():

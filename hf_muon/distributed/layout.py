@@ -47,6 +47,17 @@ class TensorLayout:
     def holds_all(self, rank: int) -> bool:
         return self.ranges[rank] == (0, self.numel)
 
+    @property
+    def sole_holder(self) -> int | None:
+        """The rank holding the whole tensor when no other rank holds any of it, else ``None``."""
+        held = [r for r, (start, end) in enumerate(self.ranges) if end > start]
+        return held[0] if len(held) == 1 and self.holds_all(held[0]) else None
+
+    @property
+    def everywhere(self) -> bool:
+        """Every rank holds the whole tensor (DDP: gradients all-reduced)."""
+        return all(r == (0, self.numel) for r in self.ranges)
+
 
 @dataclass(frozen=True)
 class ExchangedMatrix:

@@ -41,10 +41,10 @@ def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
     owners = [-1] * len(layouts)
     free, pinned = [], []
     for i, layout in enumerate(layouts):
-        holders = [r for r in range(world) if layout.holds(r)]
-        if len(holders) == 1 and layout.holds_all(holders[0]):
-            owners[i] = holders[0]
-            load[holders[0]] += costs[i]
+        holder = layout.sole_holder
+        if holder is not None:
+            owners[i] = holder
+            load[holder] += costs[i]
             pinned.append(i)
         else:
             free.append(i)
@@ -180,23 +180,16 @@ def plan_buckets(layouts: list[TensorLayout], owners: list[int], world: int, ns_
         parts += 1
 
 
-def exchange_pays(layouts: list[TensorLayout], world: int, ns_steps: int, ns_dtype: torch.dtype,
-                  flops_per_byte: float, itemsize: int, bucket_bytes: int, overlap: bool = True) -> bool:
-    """Whether the exchange beats every rank orthogonalizing every tensor itself. Only a choice where
-    every rank holds every tensor whole (DDP, gradients all-reduced): ``True`` otherwise.
+def exchange_pays(load: list[float], collective_bytes: list[int], flops_per_byte: float,
+                  overlap: bool = True) -> bool:
+    """Whether an exchange planned as ``load`` (Newton–Schulz FLOPs per rank, :func:`ns_load`) and
+    ``collective_bytes`` (``ExchangeVolume.collective_bytes``) beats each rank running all of that
+    Newton–Schulz itself, which only ranks that each hold every tensor whole can do (DDP).
 
-    The exchange's time is ``hf-muon plan``'s: the busiest owner's Newton–Schulz and the sum over
-    its collectives of the most bytes one rank moves in each (times ``flops_per_byte``), the larger
-    of the two with ``overlap``, their sum without; alone, a rank runs all the Newton–Schulz. Under
-    DDP over IB 400G, Llama-3-8B's exchange pays at 8 ranks and not at 64."""
-    from .exchange import exchange_volume
-
-    if world == 1 or not all(layout.holds_all(r) for layout in layouts for r in range(world)):
-        return True
-    owners = assign_owners(layouts, world, ns_steps, ns_dtype, flops_per_byte, itemsize, overlap)
-    load = ns_load(layouts, owners, world, ns_steps, ns_dtype)
-    buckets = plan_buckets(layouts, owners, world, ns_steps, itemsize, bucket_bytes,
-                           PIPELINE_BUCKETS if overlap else 1, ns_dtype)
-    link = flops_per_byte * sum(exchange_volume(layouts, owners, world, itemsize, buckets).collective_bytes)
+    The exchange's time is ``hf-muon plan``'s: the busiest owner's Newton–Schulz and, times
+    ``flops_per_byte``, the sum over its collectives of the most bytes one rank moves in each, the
+    larger of the two with ``overlap``, their sum without. Under DDP over IB 400G, Llama-3-8B's
+    exchange pays at 8 ranks and not at 64."""
+    link = flops_per_byte * sum(collective_bytes)
     exchanged = max(max(load), link) if overlap else max(load) + link
     return exchanged < sum(load)

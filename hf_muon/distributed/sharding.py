@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
+from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, exchange_volume, orthogonalize_distributed
 from .layout import TensorLayout, exchanged_matrices, replicated, row_sharded
-from .plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, plan_buckets
+from .plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, ns_load, plan_buckets
 
 
 def _dtensor_cls():
@@ -86,8 +86,10 @@ def exchange_over(
     ns_dtype: torch.dtype = torch.float32,
     overlap: bool = True,
     flops_per_byte: float | None = None,
-) -> Callable:
-    """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``.
+) -> Callable | None:
+    """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``, or
+    ``None`` (each rank orthogonalizes every tensor itself) where every rank holds every tensor whole
+    and, by ``flops_per_byte``'s cost model, that is faster (:func:`plan.exchange_pays`).
 
     ``ns_dtype`` is the Newton–Schulz dtype the owner plan and the buckets cost; it must be the same
     on every rank. ``overlap``: pipeline the buckets (at least ``PIPELINE_BUCKETS`` of them) with
@@ -103,6 +105,14 @@ def exchange_over(
     itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else None
     owners = assign_owners(item_layouts, world, ns_steps, ns_dtype, flops_per_byte, itemsize or 4, overlap)
     buckets: dict[int, list[list[int]]] = {}  # by bytes per element on the wire
+    if flops_per_byte is not None and all(layout.everywhere for layout in layouts):
+        size = itemsize or 4
+        buckets[size] = plan_buckets(item_layouts, owners, world, ns_steps, size, bucket_bytes,
+                                     PIPELINE_BUCKETS if overlap else 1, ns_dtype)
+        volume = exchange_volume(item_layouts, owners, world, size, buckets[size])
+        if not exchange_pays(ns_load(item_layouts, owners, world, ns_steps, ns_dtype), volume.collective_bytes,
+                             flops_per_byte, overlap):
+            return None
 
     # Where each item's piece lies in this rank's piece of its tensor: fixed, so derived once here.
     cuts = []
@@ -156,9 +166,8 @@ def make_exchange(
     overlap: bool = True,
     flops_per_byte: float | None = None,
 ) -> Callable | None:
-    """The exchange for whole or FSDP2-sharded ``params``, or ``None``: in a single process, or when
-    every rank holds every tensor (DDP) and, by ``flops_per_byte``'s cost model, each rank
-    orthogonalizing all of them itself is faster than the exchange (:func:`plan.exchange_pays`).
+    """The exchange for whole or FSDP2-sharded ``params``, or ``None``: in a single process, or
+    where :func:`exchange_over` finds each rank is faster alone (DDP, ``flops_per_byte`` given).
 
     ``stacked``: for all ``params``, or one flag per tensor (groups of stacked experts and of plain
     matrices share an exchange). Replicated ``params`` are exchanged over ``process_group`` (default:
@@ -167,14 +176,8 @@ def make_exchange(
     if where is None:
         return None
     group, rank, world = where
-    layouts = layouts_of(params, stacked, world)
-    if flops_per_byte is not None:
-        itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else 4
-        items = [item.layout for item in exchanged_matrices(layouts)]
-        if not exchange_pays(items, world, ns_steps, ns_dtype, flops_per_byte, itemsize, bucket_bytes, overlap):
-            return None
-    return exchange_over(layouts, group, rank, world, ns_steps, stats, bucket_bytes, comm_dtype, ns_dtype, overlap,
-                         flops_per_byte)
+    return exchange_over(layouts_of(params, stacked, world), group, rank, world, ns_steps, stats, bucket_bytes,
+                         comm_dtype, ns_dtype, overlap, flops_per_byte)
 
 
 def all_ranks_agree(flag: bool, params: list[Tensor], process_group: dist.ProcessGroup | None = None) -> bool:

@@ -31,7 +31,7 @@ import torch
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, exchange_volume
 from ..distributed.layout import (TensorLayout, exchanged_matrices, flat_sharded, group_flat_sharded, replicated,
                                   row_sharded)
-from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, plan_buckets
+from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, ns_load, plan_buckets
 from ..kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps, orthogonalize_flops
 from .model import ModelTensors, PlanTensor
 from .presets import Accelerator, Interconnect
@@ -250,7 +250,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     buckets = matrices = 0
     busiest_owners = 0.0  # summed over the exchanges, which run one after another
     pinned = 0  # matrices held whole by one rank alone
-    alone = False  # whether each rank orthogonalizes everything itself (DDP, when the exchange does not pay)
+    skipped = 0  # exchanges not made: each rank orthogonalizes their tensors itself (DDP, when that is faster)
     exchanges = _exchanges(layout, tensors, world, sub_group_size)
     for groups in exchanges:
         layouts = [lay for group in groups for lay in _layouts(layout, group, world)]
@@ -263,27 +263,25 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         owners = assign_owners(item_layouts, world, ns_steps, plan_dtype or ns_dtype, exchange_flops_per_byte,
                                comm_itemsize, overlap)
         if world > 1:
-            for lay in item_layouts:
-                held = [r for r, (start, end) in enumerate(lay.ranges) if end > start]
-                pinned += len(held) == 1 and lay.holds_all(held[0])
+            pinned += sum(lay.sole_holder is not None for lay in item_layouts)
         exchange_flops = [0.0] * world
         for item, owner in zip(items, owners):
             t = carried[item.source]
             exchange_flops[owner] += executed_flops(t, item.layout, ns_steps, ns_dtype)
             matrices += len(t.blocks) if t.blocks is not None else 1  # an item is one matrix
-        if exchange_flops_per_byte is not None and not exchange_pays(
-                item_layouts, world, ns_steps, plan_dtype or ns_dtype, exchange_flops_per_byte, comm_itemsize,
-                bucket_bytes, overlap):
-            # as Muon decides it (make_exchange): every rank runs all the Newton–Schulz, nothing moves
-            exchange_flops = [sum(exchange_flops)] * world
-            alone = True
-        flops = [a + b for a, b in zip(flops, exchange_flops)]
-        busiest_owners += max(exchange_flops)
-        if alone:
-            continue
         buckets_of_group = plan_buckets(item_layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
                                         PIPELINE_BUCKETS if overlap else 1, plan_dtype or ns_dtype)
         volume = exchange_volume(item_layouts, owners, world, comm_itemsize, buckets_of_group, STATE_ITEMSIZE)
+        if (exchange_flops_per_byte is not None and world > 1 and all(lay.everywhere for lay in layouts)
+                and not exchange_pays(ns_load(item_layouts, owners, world, ns_steps, plan_dtype or ns_dtype),
+                                      volume.collective_bytes, exchange_flops_per_byte, overlap)):
+            # as Muon decides it (exchange_over): every rank runs all the Newton–Schulz, nothing moves
+            flops = [a + sum(exchange_flops) for a in flops]
+            busiest_owners += sum(exchange_flops)
+            skipped += 1
+            continue
+        flops = [a + b for a, b in zip(flops, exchange_flops)]
+        busiest_owners += max(exchange_flops)
         sent = [a + b for a, b in zip(sent, volume.bytes_sent)]
         received = [a + b for a, b in zip(received, volume.bytes_received)]
         buffers = [max(a, b) for a, b in zip(buffers, volume.peak_buffer_bytes)]
@@ -321,7 +319,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         notes.append(f"the exchange's temporary buffers reach {max(buffers) / 2**30:.1f} GiB on one rank "
                      f"({100 * max(buffers) / device.memory_bytes:.0f}% of a {device.name}'s memory); "
                      "lower Muon's bucket_bytes (they scale with it) or use a sharded layout")
-    if alone:
+    if skipped:
         notes.append(f"every rank orthogonalizes every matrix itself and nothing is exchanged: at "
                      f"exchange_flops_per_byte={exchange_flops_per_byte:.3g} the exchange does not pay (Muon decides "
                      "the same when it makes the exchange)")
@@ -362,7 +360,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         muon_params=tensors.muon_params, adamw_params=tensors.adamw_params,
         ns_flops=Spread.of(flops), busy_ranks=busy, exchange_sent=Spread.of(sent),
         exchange_received=Spread.of(received), exchange_collectives=len(collectives), buckets=buckets,
-        exchanges=0 if alone else len(exchanges),
+        exchanges=len(exchanges) - skipped,
         backend_bytes=Spread(backend_total, backend_total, backend_total), backend_detail=backend,
         state_bytes=Spread.of(state), adamw_state_bytes=Spread.of(adamw_state),
         owner_buffer_bytes=Spread.of(buffers), times=times,

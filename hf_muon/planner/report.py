@@ -44,7 +44,7 @@ def plan_text(plan: Plan) -> str:
         f"Muon: {p.muon_tensors} tensors ({p.matrices} matrices, {params_text(p.muon_params)} parameters); "
         f"AdamW: {params_text(p.adamw_params)} parameters",
         f"Newton–Schulz: {p.ns_dtype}, {p.ns_steps} steps at {p.matmul_efficiency:.0%} of the matmul rate; "
-        f"{p.busy_ranks} of {p.world} ranks own matrices; {p.exchanges} exchange{'s' if p.exchanges > 1 else ''} "
+        f"{p.busy_ranks} of {p.world} ranks own matrices; {p.exchanges} exchange{'s' if p.exchanges != 1 else ''} "
         f"in {p.comm_dtype}: {p.buckets} bucket{'s' if p.buckets != 1 else ''}, {p.exchange_collectives} all-to-all calls",
     ]
     if p.exchange_flops_per_byte is not None:
