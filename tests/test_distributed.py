@@ -121,6 +121,42 @@ def test_ddp_ranks_go_alone_when_the_exchange_does_not_pay(tmp_path):
 
 
 @pytest.mark.slow
+def test_link_rates_are_measured_alike_when_ranks_arrive_apart(tmp_path):
+    """Rank 1 comes to the measurement a second late, so rank 0's first all-to-all takes over a second:
+    each rank still makes the same collective calls (a rank that timed fewer repeats after a slow
+    first call would leave the other waiting in a barrier) and ends with the same rates."""
+    out = tmp_path / "rates.json"
+    torchrun(os.path.join(HERE, "dist", "link_rates.py"), ["--late_s", "1.5", "--out", str(out)], 2, timeout=120)
+    r = json.loads(out.read_text())
+    assert r["ranks"] == [0, 1] and r["rates"][0] == r["rates"][1]
+    ns_rate, link_rate, flops_per_byte = r["rates"][0]
+    assert ns_rate > 1e8 and link_rate > 1e6 and flops_per_byte == ns_rate / link_rate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, model", [("fsdp2", "mixtral3"), ("ddp", "block")])
+def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(tmp_path, backend, model):
+    """Muon(exchange_flops_per_byte="auto") times the plan's Newton–Schulz products and an all-to-all
+    at the first step and takes the slowest rank's times, so both ranks hold the very same rates
+    (their own timings differ) and plan alike; measured once; passing the measured number plans
+    the same exchange (the same Newton–Schulz per rank and bytes); the single-process answer."""
+    steps = ["--model", model, "--steps", "3"]
+    (tmp_path / "auto").mkdir(), (tmp_path / "given").mkdir()
+    auto = run_same_answer(tmp_path / "auto", backend, *steps, "--exchange_flops_per_byte", "auto")
+    count, ns_rate, link_rate, flops_per_byte = auto["link_rates"][0]
+    assert auto["link_rates"][1] == auto["link_rates"][0] and count == 1
+    assert 1e8 < ns_rate < 1e15 and 1e6 < link_rate < 1e12  # FLOP/s, bytes/s: CPU to GPU, loopback to NVLink
+    assert flops_per_byte == ns_rate / link_rate
+    given = run_same_answer(tmp_path / "given", backend, *steps, "--exchange_flops_per_byte", repr(flops_per_byte))
+    assert given["link_rates"] == [[0, 0, 0, 0]] * 2  # a number: nothing measured
+    for r in (auto, given):  # DDP's averaged gradients round apart from one process's: 1.1e-5 after 3 steps
+        assert max(r["max_rel_diff"]) <= 2e-5
+        assert sum(r["ns_calls"]) in (r["ns_matrices"] * 3, r["ns_matrices"] * 3 * 2)  # once, or (DDP alone) per rank
+    for key in ("ns_calls", "bytes_sent", "bytes_received"):
+        assert auto[key] == given[key], key
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, model", [("ddp", "gpt2"), ("fsdp2", "gpt2"), ("fsdp2", "phi3"), ("fsdp2", "neox"),
                                             ("fsdp2", "falcon")])
 def test_fused_blocks_give_the_single_process_answer(tmp_path, backend, model):

@@ -424,6 +424,9 @@ def test_optim_args_take_ns_precondition():
     assert check_optim_args("exchange_flops_per_byte=1.2e4") == {"exchange_flops_per_byte": 12000.0}
     with pytest.raises(ValueError, match="exchange_flops_per_byte must be a positive number"):
         check_optim_args("exchange_flops_per_byte=-1")
+    assert check_optim_args("exchange_flops_per_byte=auto") == {"exchange_flops_per_byte": "auto"}
+    with pytest.raises(ValueError, match=r'"auto" \(measured at the first step\) or None, got \'fast\''):
+        Muon(nn.Linear(4, 4), exchange_flops_per_byte="fast")
 
 
 def test_summary_names_the_preconditioner():
@@ -585,6 +588,9 @@ def test_exchange_is_planned_once_until_its_tensors_change(gloo_world_of_one, mo
     assert len(plans) == muon_groups + 4 and link_costs[-1] == 1e4 and set(link_costs[:-1]) == {None}
     _train(model, opt, [torch.randn(5, 8)])
     assert len(plans) == muon_groups + 4
+    opt.exchange_flops_per_byte = "auto"  # planned again; a world of one has no link to measure
+    _train(model, opt, [torch.randn(5, 8)])
+    assert len(plans) == muon_groups + 5 and link_costs[-1] is None and opt.link_rates == []
 
 
 def test_process_group_is_used_for_replicated_parameters(gloo_world_of_one, monkeypatch):

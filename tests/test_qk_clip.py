@@ -243,7 +243,9 @@ def demo_curve(tau: float | None, steps: int = 40, lr: float = 0.1) -> list[floa
     model.train()
     # without clipping: a tau nothing reaches, so the same code path measures the logits
     clip = QKClip(model, tau=tau if tau is not None else 1e30)
-    optimizer = Muon(model, lr=lr, weight_decay=0.0)
+    # bf16 Newton–Schulz on every CPU: the default runs fp32 where the CPU lacks bf16 dot products, and at this
+    # lr the curve follows round-off (fp32 here peaked at 33.8 with the clip)
+    optimizer = Muon(model, lr=lr, weight_decay=0.0, ns_dtype=torch.bfloat16)
     clip.attach(optimizer)
     curve = []
     for ids in byte_batches(steps, 8, 64):

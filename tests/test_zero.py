@@ -82,6 +82,20 @@ def test_stacked_experts_under_zero(tmp_path):
 
 
 @pytest.mark.slow
+def test_measured_link_rates_under_zero(tmp_path):
+    """exchange_flops_per_byte="auto" inside DeepSpeed's step: measured once per stage's optimizer over
+    DeepSpeed's data-parallel group, the same rates on both ranks, the single-process answer, each
+    matrix once per step."""
+    results = run_zero(tmp_path, 2, "--stages", "2,3", "--steps", "3", "--exchange_flops_per_byte", "auto")
+    for stage, r in results.items():
+        assert max(r["max_rel_diff"]) <= 1e-5, (stage, r)
+        assert sum(r["ns_calls"]) == r["ns_matrices"] * r["steps"], (stage, r)
+        count, ns_rate, link_rate, flops_per_byte = r["link_rates"][0]
+        assert r["link_rates"][1] == r["link_rates"][0] and count == 1, (stage, r)
+        assert ns_rate > 0 and link_rate > 0 and flops_per_byte == ns_rate / link_rate, (stage, r)
+
+
+@pytest.mark.slow
 def test_zero_three_ranks_uneven_partitions(tmp_path):
     # 3 ranks split the Muon matrices at other places: several straddle two partitions
     check_fp32(run_zero(tmp_path, 3, "--stages", "1,2,3"))

@@ -41,7 +41,7 @@ OPTIM_ARGS = {
     "ns_split": str,
     "telemetry": lambda v: _BOOL[v.lower()],
     "overlap_exchange": lambda v: _BOOL[v.lower()],
-    "exchange_flops_per_byte": float,
+    "exchange_flops_per_byte": lambda v: v if v == "auto" else float(v),
     "qk_clip_tau": float,
     # not Muon settings: the Trainer attaches these features when training begins
     "adaptive_lr": lambda v: _BOOL[v.lower()],

@@ -22,7 +22,10 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
 from ..distributed.providers import FlatPartition, bind_partition, describe_providers, owned_by_a_backend
-from ..distributed.sharding import all_ranks_agree, exchange_over, group_ranks, is_dtensor, local, make_exchange
+from ..distributed.layout import TensorLayout
+from ..distributed.rates import LinkRates, measure_link_rates
+from ..distributed.sharding import (all_ranks_agree, exchange_over, group_ranks, is_dtensor, layouts_of, local,
+                                   make_exchange, process_group_of)
 from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SETS, check_precondition,
                                      default_ns_steps, orthogonalize)
 from ..models.fused import NS_SPLITS, Blocks, fused_blocks
@@ -411,7 +414,12 @@ class Muon(Optimizer):
             8 experts over its first 8 ranks only, which then run every expert's Newton–Schulz while
             the others idle), and under DDP, when the exchange does not pay, every rank
             orthogonalizes every matrix itself and nothing is exchanged (as with
-            ``distributed=False``). Same results either way; the attribute may be changed between steps.
+            ``distributed=False``). ``"auto"``: measured at the first step that plans an exchange
+            (the plan's Newton–Schulz products timed on this device, one bucket's all-to-all over the
+            exchange's group, the slowest rank's times on every rank, so all ranks plan alike), once
+            per process group, Newton–Schulz dtype and wire dtype; :attr:`link_rates` holds the
+            figures and the log says the number to pass to plan the same without measuring. Same
+            results either way; the attribute may be changed between steps.
         process_group: the ranks replicated (DDP) parameters are exchanged over; ``None``: the
             default world. FSDP2 ``DTensor``s use their mesh's group, and flat partitions a backend
             hands over (DeepSpeed ZeRO) that backend's group.
@@ -433,6 +441,8 @@ class Muon(Optimizer):
     Attributes:
         skipped_steps: steps skipped because some gradient was not finite.
         exchange_stats: bytes this rank sent/received in the exchange and tensors it orthogonalized.
+        link_rates: what ``exchange_flops_per_byte="auto"`` measured, one :class:`LinkRates` per
+            process group, Newton–Schulz dtype and wire dtype (empty until then).
     """
 
     def __init__(
@@ -458,7 +468,7 @@ class Muon(Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         comm_dtype: torch.dtype | None = None,
         overlap_exchange: bool = True,
-        exchange_flops_per_byte: float | None = None,
+        exchange_flops_per_byte: float | str | None = None,
         process_group: dist.ProcessGroup | None = None,
         orthogonalize_fn: OrthogonalizeFn | None = None,
         ns_split: str = "block",
@@ -520,6 +530,8 @@ class Muon(Optimizer):
             with_precondition(orthogonalize_fn, group["ns_precondition"])
         self.skipped_steps = 0
         self.exchange_stats = ExchangeStats()
+        # (group's ranks, device type, NS dtype, wire bytes per element) -> its measured rates
+        self._link_rates: dict[tuple, LinkRates] = {}
         self.telemetry_enabled = telemetry
         self._telemetry = Telemetry()
         self.qk_clip = self._attach_qk_clip(source_model, qk_clip_tau) if qk_clip_tau is not None else None
@@ -773,10 +785,40 @@ class Muon(Optimizer):
             )
 
     @staticmethod
-    def _check_exchange_flops_per_byte(value: float | None) -> None:
-        if value is not None and not 0 < value < math.inf:
+    def _check_exchange_flops_per_byte(value: float | str | None) -> None:
+        if value is None or value == "auto":
+            return
+        if isinstance(value, str) or not 0 < value < math.inf:
             raise ValueError(f"exchange_flops_per_byte must be a positive number (your accelerator's Newton–Schulz "
-                             f"FLOP/s over your link's bytes/s; hf-muon plan prints it) or None, got {value}")
+                             f"FLOP/s over your link's bytes/s; hf-muon plan prints it), \"auto\" (measured at the "
+                             f"first step) or None, got {value!r}")
+
+    @property
+    def link_rates(self) -> list[LinkRates]:
+        """What ``exchange_flops_per_byte="auto"`` measured so far, in the order it was measured."""
+        return list(self._link_rates.values())
+
+    def _flops_per_byte(self, layouts: list[TensorLayout], group: dist.ProcessGroup | None, world: int,
+                        ns_steps: int, ns_dtype: torch.dtype, device: torch.device) -> float | None:
+        """``exchange_flops_per_byte`` for an exchange of ``layouts`` over ``group``: the setting,
+        or with ``"auto"`` the rates measured (a collective, so every rank of ``group`` gets here at
+        the same step: when it first plans an exchange over it) and kept for later plans.
+        ``ns_dtype``: the one Newton–Schulz runs in on ``device`` (what is timed), not the plan's."""
+        if self.exchange_flops_per_byte != "auto":
+            return self.exchange_flops_per_byte
+        if world < 2:
+            return None  # nothing to exchange, nothing to measure
+        itemsize = torch.empty(0, dtype=self.comm_dtype).element_size() if self.comm_dtype is not None else 4
+        key = (tuple(group_ranks(group)), device.type, ns_dtype, itemsize)
+        if key not in self._link_rates:
+            rates = measure_link_rates(layouts, group, world, ns_steps, ns_dtype, itemsize, self.bucket_bytes, device)
+            self._link_rates[key] = rates
+            if dist.get_rank() == rates.ranks[0]:
+                logger.info("exchange rates measured over %d ranks: Newton–Schulz %.3g TFLOP/s in %s, all-to-all "
+                            "%.3g GB/s per rank: exchange_flops_per_byte=%.4g (pass it to skip the measurement)",
+                            len(rates.ranks), rates.ns_flops_per_s / 1e12, str(ns_dtype).replace("torch.", ""),
+                            rates.link_bytes_per_s / 1e9, rates.flops_per_byte)
+        return self._link_rates[key].flops_per_byte
 
     def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None]]],
                       tensors: list[Tensor]) -> Exchange | None:
@@ -792,9 +834,16 @@ class Muon(Optimizer):
                       self.exchange_flops_per_byte, self.process_group, id(self.exchange_stats))
         planned = self._group_exchanges.get(family)
         if planned is None or planned[0] != depends_on:
+            flops_per_byte = self.exchange_flops_per_byte
+            if flops_per_byte == "auto":  # measured over the ranks the tensors are spread over, if any
+                where = process_group_of(tensors, self.process_group)
+                device = local(tensors[0]).device
+                flops_per_byte = None if where is None else self._flops_per_byte(
+                    layouts_of(tensors, stacked, where[2]), where[0], where[2], group["ns_steps"],
+                    resolve_ns_dtype(group["ns_dtype"], device), device)
             exchange = make_exchange(tensors, stacked, group["ns_steps"], self.exchange_stats, self.bucket_bytes,
                                      self.comm_dtype, plan_dtype, self.process_group, overlap=self.overlap_exchange,
-                                     flops_per_byte=self.exchange_flops_per_byte)
+                                     flops_per_byte=flops_per_byte)
             planned = self._group_exchanges[family] = (depends_on, exchange)
         return planned[1]
 
@@ -818,10 +867,12 @@ class Muon(Optimizer):
             plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange, self.bucket_bytes,
                         self.comm_dtype, self.exchange_flops_per_byte, id(self.exchange_stats))
             if plan_key not in self._partition_exchanges:
+                flops_per_byte = self._flops_per_byte(list(part.layouts), part.group, part.world, group["ns_steps"],
+                                                      resolve_ns_dtype(group["ns_dtype"], flat.device), flat.device)
                 self._partition_exchanges[plan_key] = (
                     exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
                                   self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype,
-                                  self.overlap_exchange, self.exchange_flops_per_byte),
+                                  self.overlap_exchange, flops_per_byte),
                     [layout.shape for layout in part.layouts], self._partition_blocks(group, part))
             exchange, shapes, blocks = self._partition_exchanges[plan_key]
             self._apply_muon([(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]), shapes,

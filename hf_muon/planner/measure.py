@@ -3,63 +3,25 @@
 The matmul rate is what ``torch.bmm`` achieves on the very ``(m, k, n)`` products Newton–Schulz
 executes for the plan's shapes (batched as the optimizer batches same-shape matrices), so a
 one-process prediction can be checked against ``hf-muon bench``'s figure 1 on the same machine.
+The timing itself is ``hf_muon.distributed.rates``', which ``Muon(exchange_flops_per_byte="auto")``
+uses at the first step.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import torch
 
-from ..kernels.newton_schulz import ns_matmuls, resolve_method
+from ..distributed.rates import all_to_all_seconds, best_seconds, matmul_rate
 from .presets import Accelerator
-
-_MAX_BATCH = 8  # enough matrices per bmm to time batched throughput; more only takes longer
-_BATCH_FLOPS = 2e9  # above this a batch is already long enough to time; larger ones take one matrix
-
-
-def _best_time(fn, repeats: int) -> float:
-    start = time.perf_counter()
-    fn()  # warm-up: first-call allocation and oneDNN kernel selection
-    if time.perf_counter() - start > 0.5:
-        repeats = 1  # a product this large is timed once more: first-call costs are small beside it
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def matmul_rate(shapes: list[tuple[int, int]], steps: int, dtype: torch.dtype, repeats: int = 3) -> float:
-    """FLOP/s of this machine on the Newton–Schulz products of ``shapes`` (``(rows, cols)``, with
-    repeats), in ``dtype``: the products' total FLOPs over their total time, each distinct product
-    timed batched (up to 8 matrices, the count weighting the rest)."""
-    if not shapes:
-        raise ValueError("no shapes to measure the matmul rate on")
-    products: Counter[tuple[int, int, int]] = Counter()
-    for (rows, cols), count in Counter(shapes).items():
-        for mkn in ns_matmuls(rows, cols, steps, resolve_method(rows, cols, steps, dtype), dtype):
-            products[mkn] += count
-    gen = torch.Generator().manual_seed(0)
-    flops = seconds = 0.0
-    for (m, k, n), count in products.items():
-        batch = max(1, min(count, _MAX_BATCH, int(_BATCH_FLOPS // (2 * m * k * n))))
-        x = torch.randn(batch, m, k, generator=gen).to(dtype)
-        y = torch.randn(batch, k, n, generator=gen).to(dtype)
-        out = torch.empty(batch, m, n, dtype=dtype)
-        per_matrix = _best_time(lambda: torch.bmm(x, y, out=out), repeats) / batch
-        flops += count * 2 * m * k * n
-        seconds += count * per_matrix
-    return flops / seconds
 
 
 def memory_bandwidth(elements: int = 2**25, repeats: int = 5) -> float:
     """Bytes/s of an fp32 ``a += b`` over ``elements`` (128 MiB per tensor: past the caches), counting
     two reads and one write per element, as the optimizer's element-wise updates move memory."""
     a, b = torch.ones(elements), torch.ones(elements)
-    return 3 * 4 * elements / _best_time(lambda: a.add_(b), repeats)
+    return 3 * 4 * elements / best_seconds(lambda: a.add_(b), repeats)
 
 
 def measure_cpu(shapes: list[tuple[int, int]], steps: int, dtype: torch.dtype, threads: int | None = None) -> Accelerator:
@@ -85,15 +47,7 @@ def _loopback_worker(rank: int, world: int, store_path: str, sizes: list[int], r
     try:
         seconds = []
         for size in sizes:  # elements of fp32 sent to each other rank, as the exchange's all-to-all does
-            send, recv = torch.ones(size * world), torch.empty(size * world)
-            dist.all_to_all_single(recv, send)  # warm-up: connection set-up
-            best = float("inf")
-            for _ in range(repeats):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_to_all_single(recv, send)
-                best = min(best, time.perf_counter() - start)
-            seconds.append(best)
+            seconds.append(all_to_all_seconds(size, torch.float32, repeats=repeats))
         if rank == 0:
             torch.save(seconds, out_path)
     finally:

@@ -142,6 +142,19 @@ def counting_newton_schulz():
     return counting, calls
 
 
+def flops_per_byte_arg(value: str) -> float | str:
+    """``--exchange_flops_per_byte``: a number, or "auto" (Muon measures it)."""
+    return value if value == "auto" else float(value)
+
+
+def link_rate_figures(opt: Muon) -> list[float]:
+    """What ``exchange_flops_per_byte="auto"`` measured: ``[how many rates, Newton–Schulz FLOP/s,
+    link bytes/s, FLOPs per byte]`` of the first (zeros when none)."""
+    rates = opt.link_rates
+    first = rates[0] if rates else None
+    return [len(rates), *((first.ns_flops_per_s, first.link_bytes_per_s, first.flops_per_byte) if first else (0, 0, 0))]
+
+
 def loss_fn(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     out = model(ids)
     logits = getattr(out, "logits", out)  # a transformers model returns an output object
@@ -181,7 +194,7 @@ def main() -> None:
     # "per_tensor": one param group per parameter (as a user's per-layer learning rates make), every
     # other matrix's with 4 Newton–Schulz steps
     parser.add_argument("--groups", choices=["model", "per_tensor"], default="model")
-    parser.add_argument("--exchange_flops_per_byte", type=float, default=None)
+    parser.add_argument("--exchange_flops_per_byte", type=flops_per_byte_arg, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
@@ -232,7 +245,8 @@ def main() -> None:
     muon_params = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
     muon_numel = sum(p.numel() for p in muon_params)
     figures = torch.tensor(
-        [worst, calls["n"], opt.exchange_stats.bytes_sent, opt.exchange_stats.bytes_received], dtype=torch.float64
+        [worst, calls["n"], opt.exchange_stats.bytes_sent, opt.exchange_stats.bytes_received, *link_rate_figures(opt)],
+        dtype=torch.float64
     )
     gathered = [torch.zeros_like(figures) for _ in range(world)]
     dist.all_gather(gathered, figures)
@@ -245,7 +259,7 @@ def main() -> None:
         "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
         "ns_flops_per_rank": load, "muon_groups": sum(g["algorithm"] == "muon" for g in opt.param_groups),
         "stacked_groups": sum(g["algorithm"] == "muon" and g["stacked"] for g in opt.param_groups),
-        "exchange_plans": plans["n"],
+        "exchange_plans": plans["n"], "link_rates": [g[4:].tolist() for g in gathered],
     })
 
 

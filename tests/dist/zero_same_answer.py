@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hf_muon import Muon
-from same_answer import (MODELS, build, counting_newton_schulz, loss_fn, matrices_per_step, reference_accumulation, train,
-                         write_and_shut_down)
+from same_answer import (MODELS, build, counting_newton_schulz, flops_per_byte_arg, link_rate_figures, loss_fn,
+                         matrices_per_step, reference_accumulation, train, write_and_shut_down)
 
 BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
 # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then ZeRO and the
@@ -44,7 +44,8 @@ def zero_config(stage: int, world: int, accumulation: int, dtype: str, sub_group
 
 
 def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: int, world: int,
-              model_name: str = "block", sub_group_size: int | None = None) -> dict:
+              model_name: str = "block", sub_group_size: int | None = None,
+              exchange_flops_per_byte: float | str | None = None) -> dict:
     """``stage`` is 0-3, or "3init": ZeRO-3 with the model built under ``zero.Init`` (shapes hidden)."""
     import deepspeed
 
@@ -57,7 +58,7 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
     else:
         model = copy.deepcopy(base)
     counting, calls = counting_newton_schulz()
-    opt = Muon(model, orthogonalize_fn=counting, **OPTIMIZER)
+    opt = Muon(model, orthogonalize_fn=counting, exchange_flops_per_byte=exchange_flops_per_byte, **OPTIMIZER)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     calls["n"] = 0  # training steps only: FP16_UnfusedOptimizer runs one step inside initialize()
     for batch in batches:
@@ -72,7 +73,7 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
             "exchanges": len(opt._partition_exchanges), "bytes_sent": opt.exchange_stats.bytes_sent,
             "bytes_received": opt.exchange_stats.bytes_received, "muon_numel": muon_numel,
             "muon_tensors": len(opt._group_tensors[0]), "inner": type(engine.optimizer).__name__,
-            "ns_matrices": matrices_per_step(opt),
+            "ns_matrices": matrices_per_step(opt), "link_rates": link_rate_figures(opt),
             "stacked_groups": sum(g["algorithm"] == "muon" and g["stacked"] for g in opt.param_groups)}
 
 
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "bf16_fp32_accum", "fp16"], default="fp32")
     parser.add_argument("--model", choices=MODELS, default="block")
     parser.add_argument("--sub_group_size", type=int, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
+    parser.add_argument("--exchange_flops_per_byte", type=flops_per_byte_arg, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
@@ -97,10 +99,11 @@ def main() -> None:
 
     results = {}
     for stage in args.stages.split(","):
-        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model, args.sub_group_size)
+        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model, args.sub_group_size,
+                      args.exchange_flops_per_byte)
         worst = max(((t - q).abs().max() / q.abs().max()).item() for t, q in zip(r.pop("trained"), reference.parameters()))
         figures = torch.tensor([worst, r["ns_calls"], r["bytes_sent"], r["bytes_received"], r["ns_flops"],
-                                r["exchanges"]], dtype=torch.float64)
+                                r["exchanges"], *r["link_rates"]], dtype=torch.float64)
         gathered = [torch.zeros_like(figures) for _ in range(world)]
         dist.all_gather(gathered, figures)
         results[stage] = {
@@ -109,7 +112,7 @@ def main() -> None:
             "max_rel_diff": [g[0].item() for g in gathered],
             "ns_calls": [g[1].item() for g in gathered], "bytes_sent": [g[2].item() for g in gathered],
             "bytes_received": [g[3].item() for g in gathered], "ns_flops": [g[4].item() for g in gathered],
-            "exchanges": [g[5].item() for g in gathered],
+            "exchanges": [g[5].item() for g in gathered], "link_rates": [g[6:].tolist() for g in gathered],
         }
     write_and_shut_down(rank, args.out, results)
 
