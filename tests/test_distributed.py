@@ -31,6 +31,12 @@ def torchrun(script, args, nproc=2, timeout=300, env=None):
     return result.output
 
 
+# The block model's 3-step DDP runs: DDP's averaged gradients round apart from one process's. On a CPU
+# without bf16 dot products (Newton–Schulz in fp32) that reaches 1.08e-5 with every owner plan; the
+# AVX512-BF16 machines of earlier sessions stayed under 1e-5
+SHORT_DDP_RUN_BOUND = 2e-5
+
+
 def run_same_answer(tmp_path, backend, *extra, nproc=2):
     out = tmp_path / f"{backend}.json"
     torchrun(os.path.join(HERE, "dist", "same_answer.py"), ["--backend", backend, "--out", str(out), *extra], nproc)
@@ -114,7 +120,7 @@ def test_ddp_ranks_go_alone_when_the_exchange_does_not_pay(tmp_path):
     alone = run_same_answer(tmp_path / "slow", "ddp", "--steps", "3", "--exchange_flops_per_byte", "1e12")
     shared = run_same_answer(tmp_path / "fast", "ddp", "--steps", "3", "--exchange_flops_per_byte", "1e-6")
     for r in (alone, shared):
-        assert max(r["max_rel_diff"]) <= 1e-5
+        assert max(r["max_rel_diff"]) <= SHORT_DDP_RUN_BOUND
     assert alone["ns_calls"] == [alone["ns_matrices"] * 3] * 2  # every matrix on every rank
     assert alone["bytes_sent"] == alone["bytes_received"] == [0, 0]
     assert sum(shared["ns_calls"]) == shared["ns_matrices"] * 3 and min(shared["bytes_sent"]) > 0
@@ -149,8 +155,8 @@ def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(tmp_
     assert flops_per_byte == ns_rate / link_rate
     given = run_same_answer(tmp_path / "given", backend, *steps, "--exchange_flops_per_byte", repr(flops_per_byte))
     assert given["link_rates"] == [[0, 0, 0, 0]] * 2  # a number: nothing measured
-    for r in (auto, given):  # DDP's averaged gradients round apart from one process's: 1.1e-5 after 3 steps
-        assert max(r["max_rel_diff"]) <= 2e-5
+    for r in (auto, given):
+        assert max(r["max_rel_diff"]) <= SHORT_DDP_RUN_BOUND
         assert sum(r["ns_calls"]) in (r["ns_matrices"] * 3, r["ns_matrices"] * 3 * 2)  # once, or (DDP alone) per rank
     for key in ("ns_calls", "bytes_sent", "bytes_received"):
         assert auto[key] == given[key], key
