@@ -31,10 +31,11 @@ def torchrun(script, args, nproc=2, timeout=300, env=None):
     return result.output
 
 
-# The block model's 3-step DDP runs: DDP's averaged gradients round apart from one process's. On a CPU
-# without bf16 dot products (Newton–Schulz in fp32) that reaches 1.08e-5 with every owner plan; the
-# AVX512-BF16 machines of earlier sessions stayed under 1e-5
-SHORT_DDP_RUN_BOUND = 2e-5
+# The single-process answer's bound by the dtype of the model and Newton–Schulz. Under DDP the averaged
+# gradients round apart from one process's and Newton–Schulz carries that on: in fp32 the block model's
+# first 3 steps reach 8.5e-6 on an AVX512-BF16 Xeon and 1.08e-5 on an EPYC without AVX512 (other fp32
+# kernels), so its short runs go in float64: 1.5e-14 on the Xeon, nothing to do with the CPU's fp32 kernels.
+SAME_ANSWER_BOUND = {"float32": 1e-5, "float64": 1e-12}
 
 
 def run_same_answer(tmp_path, backend, *extra, nproc=2):
@@ -117,10 +118,11 @@ def test_ddp_ranks_go_alone_when_the_exchange_does_not_pay(tmp_path):
     no exchange is made, each rank orthogonalizes every matrix itself, nothing is sent, same answer.
     At 1e-6 the exchange pays and each matrix is orthogonalized once, on its owner."""
     (tmp_path / "slow").mkdir(), (tmp_path / "fast").mkdir()
-    alone = run_same_answer(tmp_path / "slow", "ddp", "--steps", "3", "--exchange_flops_per_byte", "1e12")
-    shared = run_same_answer(tmp_path / "fast", "ddp", "--steps", "3", "--exchange_flops_per_byte", "1e-6")
+    short = ["--steps", "3", "--dtype", "float64"]
+    alone = run_same_answer(tmp_path / "slow", "ddp", *short, "--exchange_flops_per_byte", "1e12")
+    shared = run_same_answer(tmp_path / "fast", "ddp", *short, "--exchange_flops_per_byte", "1e-6")
     for r in (alone, shared):
-        assert max(r["max_rel_diff"]) <= SHORT_DDP_RUN_BOUND
+        assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float64"]
     assert alone["ns_calls"] == [alone["ns_matrices"] * 3] * 2  # every matrix on every rank
     assert alone["bytes_sent"] == alone["bytes_received"] == [0, 0]
     assert sum(shared["ns_calls"]) == shared["ns_matrices"] * 3 and min(shared["bytes_sent"]) > 0
@@ -140,13 +142,13 @@ def test_link_rates_are_measured_alike_when_ranks_arrive_apart(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, model", [("fsdp2", "mixtral3"), ("ddp", "block")])
-def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(tmp_path, backend, model):
+@pytest.mark.parametrize("backend, model, dtype", [("fsdp2", "mixtral3", "float32"), ("ddp", "block", "float64")])
+def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(tmp_path, backend, model, dtype):
     """Muon(exchange_flops_per_byte="auto") times the plan's Newton–Schulz products and an all-to-all
     at the first step and takes the slowest rank's times, so both ranks hold the very same rates
     (their own timings differ) and plan alike; measured once; passing the measured number plans
     the same exchange (the same Newton–Schulz per rank and bytes); the single-process answer."""
-    steps = ["--model", model, "--steps", "3"]
+    steps = ["--model", model, "--steps", "3", "--dtype", dtype]
     (tmp_path / "auto").mkdir(), (tmp_path / "given").mkdir()
     auto = run_same_answer(tmp_path / "auto", backend, *steps, "--exchange_flops_per_byte", "auto")
     count, ns_rate, link_rate, flops_per_byte = auto["link_rates"][0]
@@ -156,7 +158,7 @@ def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(tmp_
     given = run_same_answer(tmp_path / "given", backend, *steps, "--exchange_flops_per_byte", repr(flops_per_byte))
     assert given["link_rates"] == [[0, 0, 0, 0]] * 2  # a number: nothing measured
     for r in (auto, given):
-        assert max(r["max_rel_diff"]) <= SHORT_DDP_RUN_BOUND
+        assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND[dtype]
         assert sum(r["ns_calls"]) in (r["ns_matrices"] * 3, r["ns_matrices"] * 3 * 2)  # once, or (DDP alone) per rank
     for key in ("ns_calls", "bytes_sent", "bytes_received"):
         assert auto[key] == given[key], key

@@ -195,16 +195,20 @@ def main() -> None:
     # other matrix's with 4 Newton–Schulz steps
     parser.add_argument("--groups", choices=["model", "per_tensor"], default="model")
     parser.add_argument("--exchange_flops_per_byte", type=flops_per_byte_arg, default=None)
+    # float64: the model, its updates and Newton–Schulz, so the two runs differ by float64 round-off
+    # alone (short runs compare to a bound that holds on every CPU, whatever its fp32 kernels)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    base = build(args.model)
+    dtype = getattr(torch, args.dtype)
+    base = build(args.model).to(dtype)
     batches = [torch.randint(0, 64, (8, 16)) for _ in range(args.steps)]
     # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then sharded and
     # single-process runs agree to fp32 round-off, and any larger gap is a bug in the exchange.
-    opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
+    opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=dtype)
 
     def params_of(model: nn.Module):
         if args.groups == "model":
