@@ -588,9 +588,10 @@ def test_exchange_is_planned_once_until_its_tensors_change(gloo_world_of_one, mo
     assert len(plans) == muon_groups + 4 and link_costs[-1] == 1e4 and set(link_costs[:-1]) == {None}
     _train(model, opt, [torch.randn(5, 8)])
     assert len(plans) == muon_groups + 4
-    opt.exchange_flops_per_byte = "auto"  # planned again; a world of one has no link to measure
+    opt.exchange_flops_per_byte = "auto"  # planned again, with what measures the rates when planning
     _train(model, opt, [torch.randn(5, 8)])
-    assert len(plans) == muon_groups + 5 and link_costs[-1] is None and opt.link_rates == []
+    assert len(plans) == muon_groups + 5 and callable(link_costs[-1])
+    assert link_costs[-1]([], None, 1, 4) is None and opt.link_rates == []  # a world of one: no link to measure
 
 
 def test_process_group_is_used_for_replicated_parameters(gloo_world_of_one, monkeypatch):

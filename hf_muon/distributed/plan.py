@@ -6,9 +6,12 @@ the Newton–Schulz dtype), so the balance holds for the work each owner actuall
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .layout import TensorLayout
+from .exchange import ExchangeVolume, exchange_volume
+from .layout import ExchangedMatrix, TensorLayout, exchanged_matrices
 
 
 def assign_owners(layouts: list[TensorLayout], world: int, ns_steps: int,
@@ -193,3 +196,44 @@ def exchange_pays(load: list[float], collective_bytes: list[int], flops_per_byte
     link = flops_per_byte * sum(collective_bytes)
     exchanged = max(max(load), link) if overlap else max(load) + link
     return exchanged < sum(load)
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """One exchange planned from its layouts alone, so the same on every rank.
+
+    ``items``: what it moves (:func:`layout.exchanged_matrices`: stacks matrix by matrix);
+    ``owners``: an owner rank per item; ``buckets``: item indices per bucket at the planned wire
+    width; ``volume``: what that moves per rank; ``pays``: ``False`` where every rank holds every
+    tensor whole and, by :func:`exchange_pays`, each rank orthogonalizing everything itself is faster."""
+
+    items: list[ExchangedMatrix]
+    owners: list[int]
+    buckets: list[list[int]]
+    volume: ExchangeVolume
+    pays: bool
+
+    @property
+    def item_layouts(self) -> list[TensorLayout]:
+        return [item.layout for item in self.items]
+
+
+def plan_exchange(layouts: list[TensorLayout], world: int, ns_steps: int, ns_dtype: torch.dtype, wire_itemsize: int,
+                  bucket_bytes: int, overlap: bool = True, flops_per_byte: float | None = None,
+                  piece_itemsize: int = 4) -> ExchangePlan:
+    """The owners, buckets and volume of an exchange of ``layouts``, and whether it pays: what the
+    optimizer runs (``sharding.exchange_over``) and ``hf-muon plan`` costs, from one function.
+
+    ``wire_itemsize``: bytes per element on the wire; ``piece_itemsize``: of the pieces the owners
+    assemble (:func:`exchange.exchange_volume`); ``overlap``, ``flops_per_byte``: see
+    :func:`assign_owners`."""
+    items = exchanged_matrices(layouts)
+    item_layouts = [item.layout for item in items]
+    owners = assign_owners(item_layouts, world, ns_steps, ns_dtype, flops_per_byte, wire_itemsize, overlap)
+    buckets = plan_buckets(item_layouts, owners, world, ns_steps, wire_itemsize, bucket_bytes,
+                           PIPELINE_BUCKETS if overlap else 1, ns_dtype)
+    volume = exchange_volume(item_layouts, owners, world, wire_itemsize, buckets, piece_itemsize)
+    pays = (flops_per_byte is None or world < 2 or not all(layout.everywhere for layout in layouts)
+            or exchange_pays(ns_load(item_layouts, owners, world, ns_steps, ns_dtype), volume.collective_bytes,
+                             flops_per_byte, overlap))
+    return ExchangePlan(items, owners, buckets, volume, pays)

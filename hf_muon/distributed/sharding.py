@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, exchange_volume, orthogonalize_distributed
-from .layout import TensorLayout, exchanged_matrices, replicated, row_sharded
-from .plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, ns_load, plan_buckets
+from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
+from .layout import TensorLayout, replicated, row_sharded
+from .plan import PIPELINE_BUCKETS, plan_buckets, plan_exchange
 
 
 def _dtensor_cls():
@@ -74,6 +74,16 @@ def layouts_of(params: list[Tensor], stacked: bool | list[bool], world: int) -> 
     return [(row_sharded if is_dtensor(p) else replicated)(tuple(p.shape), s, world) for p, s in zip(params, flags)]
 
 
+# ``exchange_over``'s ``flops_per_byte`` may be measured rather than given: called with the
+# exchange's layouts, group, world and wire bytes per element when the exchange is planned.
+MeasuredFlopsPerByte = Callable[[list[TensorLayout], dist.ProcessGroup | None, int, int], float | None]
+
+
+def wire_itemsize(comm_dtype: torch.dtype | None) -> int:
+    """Bytes per element the owner plan counts on the wire: ``comm_dtype``'s, else the fp32 updates'."""
+    return comm_dtype.itemsize if comm_dtype is not None else 4
+
+
 def exchange_over(
     layouts: list[TensorLayout],
     group: dist.ProcessGroup | None,
@@ -85,11 +95,11 @@ def exchange_over(
     comm_dtype: torch.dtype | None = None,
     ns_dtype: torch.dtype = torch.float32,
     overlap: bool = True,
-    flops_per_byte: float | None = None,
+    flops_per_byte: float | MeasuredFlopsPerByte | None = None,
 ) -> Callable | None:
     """The exchange ``muon_update`` calls for tensors laid out as ``layouts`` over ``group``, or
     ``None`` (each rank orthogonalizes every tensor itself) where every rank holds every tensor whole
-    and, by ``flops_per_byte``'s cost model, that is faster (:func:`plan.exchange_pays`).
+    and, by ``flops_per_byte``'s cost model, that is faster (:func:`plan.plan_exchange`).
 
     ``ns_dtype`` is the Newton–Schulz dtype the owner plan and the buckets cost; it must be the same
     on every rank. ``overlap``: pipeline the buckets (at least ``PIPELINE_BUCKETS`` of them) with
@@ -98,21 +108,16 @@ def exchange_over(
     tensors x ranks (0.3 s for Llama-3-8B's layouts under FSDP2 at 1024 ranks).
 
     A stacked tensor is exchanged matrix by matrix (see :func:`layout.exchanged_matrices`): each of
-    its matrices has its own owner. ``flops_per_byte``: see :func:`plan.assign_owners` (the wire's
-    bytes per element: ``comm_dtype``'s, or 4 for the fp32 updates)."""
-    items = exchanged_matrices(layouts)
-    item_layouts = [item.layout for item in items]
-    itemsize = torch.empty(0, dtype=comm_dtype).element_size() if comm_dtype is not None else None
-    owners = assign_owners(item_layouts, world, ns_steps, ns_dtype, flops_per_byte, itemsize or 4, overlap)
-    buckets: dict[int, list[list[int]]] = {}  # by bytes per element on the wire
-    if flops_per_byte is not None and all(layout.everywhere for layout in layouts):
-        size = itemsize or 4
-        buckets[size] = plan_buckets(item_layouts, owners, world, ns_steps, size, bucket_bytes,
-                                     PIPELINE_BUCKETS if overlap else 1, ns_dtype)
-        volume = exchange_volume(item_layouts, owners, world, size, buckets[size])
-        if not exchange_pays(ns_load(item_layouts, owners, world, ns_steps, ns_dtype), volume.collective_bytes,
-                             flops_per_byte, overlap):
-            return None
+    its matrices has its own owner. ``flops_per_byte``: see :func:`plan.assign_owners`, or a
+    :data:`MeasuredFlopsPerByte` that measures it (a collective over ``group``: every rank plans at once)."""
+    wire = wire_itemsize(comm_dtype)
+    if callable(flops_per_byte):
+        flops_per_byte = flops_per_byte(layouts, group, world, wire)
+    plan = plan_exchange(layouts, world, ns_steps, ns_dtype, wire, bucket_bytes, overlap, flops_per_byte)
+    if not plan.pays:
+        return None
+    items, item_layouts, owners = plan.items, plan.item_layouts, plan.owners
+    buckets = {wire: plan.buckets}  # by bytes per element on the wire
 
     # Where each item's piece lies in this rank's piece of its tensor: fixed, so derived once here.
     cuts = []
@@ -134,7 +139,7 @@ def exchange_over(
     def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor], list[int]], list[Tensor]]) -> list[Tensor]:
         """``newton_schulz(wholes, indices)`` sees whole tensors and their indices in ``blended``; a
         stack's matrices come one at a time, each as a stack of one (``[1, rows, cols]``)."""
-        size = itemsize or (blended[0].element_size() if blended else 4)
+        size = comm_dtype.itemsize if comm_dtype is not None else (blended[0].element_size() if blended else 4)
         if size not in buckets:  # the layouts never change: plan once per wire dtype size
             buckets[size] = plan_buckets(item_layouts, owners, world, ns_steps, size, bucket_bytes,
                                          PIPELINE_BUCKETS if overlap else 1, ns_dtype)
@@ -164,7 +169,7 @@ def make_exchange(
     ns_dtype: torch.dtype = torch.float32,
     process_group: dist.ProcessGroup | None = None,
     overlap: bool = True,
-    flops_per_byte: float | None = None,
+    flops_per_byte: float | MeasuredFlopsPerByte | None = None,
 ) -> Callable | None:
     """The exchange for whole or FSDP2-sharded ``params``, or ``None``: in a single process, or
     where :func:`exchange_over` finds each rank is faster alone (DDP, ``flops_per_byte`` given).

@@ -24,8 +24,8 @@ from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
 from ..distributed.providers import FlatPartition, bind_partition, describe_providers, owned_by_a_backend
 from ..distributed.layout import TensorLayout
 from ..distributed.rates import LinkRates, measure_link_rates
-from ..distributed.sharding import (all_ranks_agree, exchange_over, group_ranks, is_dtensor, layouts_of, local,
-                                   make_exchange, process_group_of)
+from ..distributed.sharding import (MeasuredFlopsPerByte, all_ranks_agree, exchange_over, group_ranks, is_dtensor,
+                                   local, make_exchange)
 from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SETS, check_precondition,
                                      default_ns_steps, orthogonalize)
 from ..models.fused import NS_SPLITS, Blocks, fused_blocks
@@ -798,27 +798,33 @@ class Muon(Optimizer):
         """What ``exchange_flops_per_byte="auto"`` measured so far, in the order it was measured."""
         return list(self._link_rates.values())
 
-    def _flops_per_byte(self, layouts: list[TensorLayout], group: dist.ProcessGroup | None, world: int,
-                        ns_steps: int, ns_dtype: torch.dtype, device: torch.device) -> float | None:
-        """``exchange_flops_per_byte`` for an exchange of ``layouts`` over ``group``: the setting,
-        or with ``"auto"`` the rates measured (a collective, so every rank of ``group`` gets here at
-        the same step: when it first plans an exchange over it) and kept for later plans.
-        ``ns_dtype``: the one Newton–Schulz runs in on ``device`` (what is timed), not the plan's."""
+    def _flops_per_byte(self, group: dict, device: torch.device) -> float | MeasuredFlopsPerByte | None:
+        """``exchange_flops_per_byte`` for an exchange of ``group``'s tensors on ``device``: the
+        setting, or for ``"auto"`` what measures it when the exchange is planned (a collective over
+        the exchange's group, which every rank plans at the same step). Measured once per group and
+        dtypes, logged and kept in :attr:`link_rates`. What is timed is Newton–Schulz in the dtype it
+        runs in on ``device``, not the plan's."""
         if self.exchange_flops_per_byte != "auto":
             return self.exchange_flops_per_byte
-        if world < 2:
-            return None  # nothing to exchange, nothing to measure
-        itemsize = torch.empty(0, dtype=self.comm_dtype).element_size() if self.comm_dtype is not None else 4
-        key = (tuple(group_ranks(group)), device.type, ns_dtype, itemsize)
-        if key not in self._link_rates:
-            rates = measure_link_rates(layouts, group, world, ns_steps, ns_dtype, itemsize, self.bucket_bytes, device)
-            self._link_rates[key] = rates
-            if dist.get_rank() == rates.ranks[0]:
-                logger.info("exchange rates measured over %d ranks: Newton–Schulz %.3g TFLOP/s in %s, all-to-all "
-                            "%.3g GB/s per rank: exchange_flops_per_byte=%.4g (pass it to skip the measurement)",
-                            len(rates.ranks), rates.ns_flops_per_s / 1e12, str(ns_dtype).replace("torch.", ""),
-                            rates.link_bytes_per_s / 1e9, rates.flops_per_byte)
-        return self._link_rates[key].flops_per_byte
+        ns_steps, ns_dtype = group["ns_steps"], resolve_ns_dtype(group["ns_dtype"], device)
+
+        def measured(layouts: list[TensorLayout], over: dist.ProcessGroup | None, world: int,
+                     wire_itemsize: int) -> float | None:
+            if world < 2:
+                return None  # nothing to exchange, nothing to measure
+            key = (tuple(group_ranks(over)), device.type, ns_dtype, wire_itemsize)
+            if key not in self._link_rates:
+                rates = measure_link_rates(layouts, over, world, ns_steps, ns_dtype, wire_itemsize, self.bucket_bytes,
+                                           device)
+                self._link_rates[key] = rates
+                if dist.get_rank() == rates.ranks[0]:
+                    logger.info("exchange rates measured over %d ranks: Newton–Schulz %.3g TFLOP/s in %s, all-to-all "
+                                "%.3g GB/s per rank: exchange_flops_per_byte=%.4g (pass it to skip the measurement)",
+                                len(rates.ranks), rates.ns_flops_per_s / 1e12, str(ns_dtype).replace("torch.", ""),
+                                rates.link_bytes_per_s / 1e9, rates.flops_per_byte)
+            return self._link_rates[key].flops_per_byte
+
+        return measured
 
     def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None]]],
                       tensors: list[Tensor]) -> Exchange | None:
@@ -834,16 +840,9 @@ class Muon(Optimizer):
                       self.exchange_flops_per_byte, self.process_group, id(self.exchange_stats))
         planned = self._group_exchanges.get(family)
         if planned is None or planned[0] != depends_on:
-            flops_per_byte = self.exchange_flops_per_byte
-            if flops_per_byte == "auto":  # measured over the ranks the tensors are spread over, if any
-                where = process_group_of(tensors, self.process_group)
-                device = local(tensors[0]).device
-                flops_per_byte = None if where is None else self._flops_per_byte(
-                    layouts_of(tensors, stacked, where[2]), where[0], where[2], group["ns_steps"],
-                    resolve_ns_dtype(group["ns_dtype"], device), device)
             exchange = make_exchange(tensors, stacked, group["ns_steps"], self.exchange_stats, self.bucket_bytes,
                                      self.comm_dtype, plan_dtype, self.process_group, overlap=self.overlap_exchange,
-                                     flops_per_byte=flops_per_byte)
+                                     flops_per_byte=self._flops_per_byte(group, local(tensors[0]).device))
             planned = self._group_exchanges[family] = (depends_on, exchange)
         return planned[1]
 
@@ -867,12 +866,10 @@ class Muon(Optimizer):
             plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange, self.bucket_bytes,
                         self.comm_dtype, self.exchange_flops_per_byte, id(self.exchange_stats))
             if plan_key not in self._partition_exchanges:
-                flops_per_byte = self._flops_per_byte(list(part.layouts), part.group, part.world, group["ns_steps"],
-                                                      resolve_ns_dtype(group["ns_dtype"], flat.device), flat.device)
                 self._partition_exchanges[plan_key] = (
                     exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
                                   self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype,
-                                  self.overlap_exchange, flops_per_byte),
+                                  self.overlap_exchange, self._flops_per_byte(group, flat.device)),
                     [layout.shape for layout in part.layouts], self._partition_blocks(group, part))
             exchange, shapes, blocks = self._partition_exchanges[plan_key]
             self._apply_muon([(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]), shapes,

@@ -1,8 +1,8 @@
 """The cost model: per-rank Newton–Schulz FLOPs, exchange bytes, backend traffic, memory and time.
 
 Everything distributed is derived from the package's own pieces: layouts (``distributed.layout``),
-the owner plan (``assign_owners``), the exchange's sizes (``exchange_volume``, the same buckets and
-rules as ``orthogonalize_distributed``) and the kernel's FLOP model (``orthogonalize_flops``).
+the exchange plan (``plan_exchange``: owners, buckets and sizes, by the same rules as
+``orthogonalize_distributed``) and the kernel's FLOP model (``orthogonalize_flops``).
 
 Time model (one optimizer step; forward/backward are not modelled):
 
@@ -28,10 +28,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..distributed.exchange import DEFAULT_BUCKET_BYTES, exchange_volume
-from ..distributed.layout import (TensorLayout, exchanged_matrices, flat_sharded, group_flat_sharded, replicated,
-                                  row_sharded)
-from ..distributed.plan import PIPELINE_BUCKETS, assign_owners, exchange_pays, ns_load, plan_buckets
+from ..distributed.exchange import DEFAULT_BUCKET_BYTES
+from ..distributed.layout import TensorLayout, flat_sharded, group_flat_sharded, replicated, row_sharded
+from ..distributed.plan import plan_exchange
 from ..kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps, orthogonalize_flops
 from .model import ModelTensors, PlanTensor
 from .presets import Accelerator, Interconnect
@@ -240,7 +239,7 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         raise ValueError(f"matmul efficiency must be in (0, 1], got {efficiency}")
     if exchange_flops_per_byte is not None and not 0 < exchange_flops_per_byte < math.inf:
         raise ValueError(f"exchange_flops_per_byte must be a positive number or None, got {exchange_flops_per_byte}")
-    comm_itemsize = torch.empty(0, dtype=comm_dtype).element_size()
+    comm_itemsize = comm_dtype.itemsize
     rate = (device.fp32_flops if ns_dtype in (torch.float32, torch.float64) else device.bf16_flops) * efficiency
 
     flops = [0.0] * world
@@ -258,23 +257,17 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
         for lay in layouts:
             for r, (start, end) in enumerate(lay.ranges):
                 muon_held[r] += end - start
-        items = exchanged_matrices(layouts)  # what the exchange moves: stacks matrix by matrix
-        item_layouts = [item.layout for item in items]
-        owners = assign_owners(item_layouts, world, ns_steps, plan_dtype or ns_dtype, exchange_flops_per_byte,
-                               comm_itemsize, overlap)
+        planned = plan_exchange(layouts, world, ns_steps, plan_dtype or ns_dtype, comm_itemsize, bucket_bytes, overlap,
+                                exchange_flops_per_byte, STATE_ITEMSIZE)
+        volume = planned.volume
         if world > 1:
-            pinned += sum(lay.sole_holder is not None for lay in item_layouts)
+            pinned += sum(lay.sole_holder is not None for lay in planned.item_layouts)
         exchange_flops = [0.0] * world
-        for item, owner in zip(items, owners):
+        for item, owner in zip(planned.items, planned.owners):
             t = carried[item.source]
             exchange_flops[owner] += executed_flops(t, item.layout, ns_steps, ns_dtype)
             matrices += len(t.blocks) if t.blocks is not None else 1  # an item is one matrix
-        buckets_of_group = plan_buckets(item_layouts, owners, world, ns_steps, comm_itemsize, bucket_bytes,
-                                        PIPELINE_BUCKETS if overlap else 1, plan_dtype or ns_dtype)
-        volume = exchange_volume(item_layouts, owners, world, comm_itemsize, buckets_of_group, STATE_ITEMSIZE)
-        if (exchange_flops_per_byte is not None and world > 1 and all(lay.everywhere for lay in layouts)
-                and not exchange_pays(ns_load(item_layouts, owners, world, ns_steps, plan_dtype or ns_dtype),
-                                      volume.collective_bytes, exchange_flops_per_byte, overlap)):
+        if not planned.pays:
             # as Muon decides it (exchange_over): every rank runs all the Newton–Schulz, nothing moves
             flops = [a + sum(exchange_flops) for a in flops]
             busiest_owners += sum(exchange_flops)
