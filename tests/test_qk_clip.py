@@ -269,23 +269,23 @@ def test_demo_high_lr_logits_grow_without_clip_and_stay_bounded_with_it():
     assert max(clipped[-10:]) < max(plain[-10:]) / 3
 
 
-def run_qk_clip_same_answer(tmp_path, backends: str, timeout: int) -> dict:
+def run_qk_clip_same_answer(tmp_path, backends: str, timeout: int, *extra: str) -> dict:
     from test_distributed import torchrun
 
     out = tmp_path / "qk_clip.json"
-    torchrun(os.path.join(HERE, "dist", "qk_clip_same_answer.py"), ["--backends", backends, "--out", str(out)],
+    torchrun(os.path.join(HERE, "dist", "qk_clip_same_answer.py"), ["--backends", backends, "--out", str(out), *extra],
              timeout=timeout, env={"DS_ACCELERATOR": "cpu"})
     return json.loads(out.read_text())
 
 
-def check_same_answer_and_clipped(r: dict, backend: str) -> None:
+def check_same_answer_and_clipped(r: dict, backend: str, bound: float, k_bias_bound: float) -> None:
     reference, run = r["reference"], r[backend]
     # the tau clips heads at every step, the same heads as one process
     assert all(n > 0 for n in reference["clipped_heads"])
     assert run["clipped_heads"] == reference["clipped_heads"]
-    assert max(run["max_rel_diff"]) <= 1e-5
+    assert max(run["max_rel_diff"]) <= bound
     # key biases have a zero gradient up to round-off, which AdamW amplifies (see the script)
-    assert max(run["k_bias_max_rel_diff"]) <= 1e-4
+    assert max(run["k_bias_max_rel_diff"]) <= k_bias_bound
     # the last step ran at lr 0 (it only clipped): nothing over tau is left
     assert reference["max_logit_after"] <= r["tau"] * (1 + 1e-5)
     assert run["max_logit_after"] <= r["tau"] * (1 + 1e-5)
@@ -294,21 +294,26 @@ def check_same_answer_and_clipped(r: dict, backend: str) -> None:
 
 @pytest.mark.slow
 def test_qk_clip_zero_same_answer(tmp_path):
+    """DeepSpeed trains in fp32, where the one-process answer is off by round-off that AdamW's sign-like
+    first steps blow up by a CPU-dependent amount (see the script): each stage is compared with the same
+    launch's fp32 DDP run (ZeRO-1/2 equal it bit for bit here, ZeRO-3 within 1.6e-6), whose answer
+    test_qk_clip_fsdp2_ddp_same_answer ties to one process in float64."""
     started = time.monotonic()
     # ZeRO-1/2 call step() once per param group (weights in Muon's, biases in AdamW's); ZeRO-3 once per sub-group
-    r = run_qk_clip_same_answer(tmp_path, "zero1,zero2,zero3", timeout=180)
+    r = run_qk_clip_same_answer(tmp_path, "ddp,zero1,zero2,zero3", 180, "--baseline", "ddp")
     print(f"\nZeRO-1/2/3 QK-clip run: {time.monotonic() - started:.0f} s")
     for backend in ("zero1", "zero2", "zero3"):
-        check_same_answer_and_clipped(r, backend)
+        check_same_answer_and_clipped(r, backend, 1e-5, 1e-4)
 
 
 @pytest.mark.slow
 def test_qk_clip_fsdp2_ddp_same_answer(tmp_path):
+    """In float64 the sharded runs equal one process's to float64 round-off (1.7e-13 here), key biases too."""
     started = time.monotonic()
-    r = run_qk_clip_same_answer(tmp_path, "fsdp2,ddp", timeout=180)
+    r = run_qk_clip_same_answer(tmp_path, "fsdp2,ddp", 180, "--dtype", "float64")
     print(f"\nFSDP2/DDP QK-clip run: {time.monotonic() - started:.0f} s")
     for backend in ("fsdp2", "ddp"):
-        check_same_answer_and_clipped(r, backend)
+        check_same_answer_and_clipped(r, backend, 1e-12, 1e-12)
 
 
 def test_trainer_option_clips_and_logs_the_largest_logit(tmp_path):

@@ -4,9 +4,17 @@ model must give the single-process answer, and leave every head's logit at most 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/dist/qk_clip_same_answer.py \
         --backends zero1,zero2,zero3,fsdp2,ddp --out result.json
 
-A tiny Qwen2 (GQA 4/2, q/k biases: the biases live in AdamW partitions) trains a few steps in fp32
-with a tau that clips heads every step; the last step runs at lr 0, so it only clips, and a forward
-pass after it must see no logit above tau. Every rank also trains the one-process reference.
+A tiny Qwen2 (GQA 4/2, q/k biases: the biases live in AdamW partitions) trains a few steps with a tau
+that clips heads every step; the last step runs at lr 0, so it only clips, and a forward pass after it
+must see no logit above tau. Every rank also trains the one-process reference.
+
+``--dtype float64`` (DDP, FSDP2; DeepSpeed trains in fp32 at most): the model, its updates and
+Newton–Schulz in float64. In fp32 the runs differ from one process by more than fp32 round-off, and by
+how much depends on the CPU's kernels (1.3e-4 on an AVX512-BF16 Xeon, under 1e-5 on earlier machines):
+AdamW's first steps are about lr * sign(gradient), so embedding and lm_head entries whose gradient is
+near round-off take lr-sized steps either way. ``--baseline ddp`` compares each later backend with the
+same launch's fp32 DDP run instead (the same micro-batches on each rank), whose answer the float64 run
+ties to one process.
 """
 
 from __future__ import annotations
@@ -25,11 +33,10 @@ from same_answer import write_and_shut_down
 from zero_same_answer import BATCH, zero_config
 
 TAU = 0.6
-# fp32 Newton–Schulz, so sharded and one-process runs agree to fp32 round-off
-OPTIMIZER = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
+OPTIMIZER = dict(lr=2e-2, weight_decay=0.1)  # with ns_dtype: the model's dtype, as --dtype says
 
 
-def build_model() -> Qwen2ForCausalLM:
+def build_model(dtype: torch.dtype) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
@@ -40,7 +47,7 @@ def build_model() -> Qwen2ForCausalLM:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
                 proj.weight.mul_(4.0)
                 proj.bias.normal_(0, 0.5)
-    return model
+    return model.to(dtype)
 
 
 def train(model, forward, backward, step, optimizer, clip, batches, rank: int, world: int) -> list[int]:
@@ -67,10 +74,10 @@ def max_logit_now(model_call, clip: QKClip, ids: torch.Tensor) -> float:
     return top.item()
 
 
-def run_reference(batches) -> tuple[list[torch.Tensor], list[int], float]:
-    model = build_model()
+def run_reference(batches, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[int], float]:
+    model = build_model(dtype)
     model.train()
-    optimizer = Muon(model, distributed=False, **OPTIMIZER)  # one process among W: no collectives
+    optimizer = Muon(model, distributed=False, ns_dtype=dtype, **OPTIMIZER)  # one process among W: no collectives
     clip = QKClip(model, tau=TAU).attach(optimizer)
     def step():
         optimizer.step()
@@ -93,7 +100,7 @@ def run_deepspeed(base, batches, stage: int, rank: int, world: int):
 
     model = copy.deepcopy(base)
     model.train()
-    optimizer = Muon(model, **OPTIMIZER)
+    optimizer = Muon(model, ns_dtype=torch.float32, **OPTIMIZER)
     clip = QKClip(model, tau=TAU).attach(optimizer)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(stage, world, 1, "fp32"))
     clipped = train(engine, lambda ids: engine(ids, labels=ids), engine.backward, engine.step, optimizer, clip,
@@ -109,8 +116,9 @@ def run_torch(base, batches, backend: str, rank: int, world: int):
     model = copy.deepcopy(base)
     model.train()
     clip = QKClip(model, tau=TAU)
+    dtype = next(model.parameters()).dtype
     if backend == "ddp":
-        optimizer = Muon(model, **OPTIMIZER)
+        optimizer = Muon(model, ns_dtype=dtype, **OPTIMIZER)
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -120,7 +128,7 @@ def run_torch(base, batches, backend: str, rank: int, world: int):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
-        optimizer = Muon(model, **OPTIMIZER)
+        optimizer = Muon(model, ns_dtype=dtype, **OPTIMIZER)
     clip.attach(optimizer)
 
     def step():
@@ -138,23 +146,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backends", default="zero3,fsdp2")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--baseline", choices=["one_process", "ddp"], default="one_process",
+                        help="what max_rel_diff compares with; ddp: the first backend, whose own diff is then 0")
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()
+    backends = args.backends.split(",")
+    if args.baseline == "ddp" and backends[0] != "ddp":
+        parser.error("--baseline ddp compares with the DDP run: list ddp first in --backends")
+    if args.dtype == "float64" and any(b.startswith("zero") for b in backends):
+        parser.error("DeepSpeed trains in fp32 at most: run the zero backends with --dtype float32")
+    dtype = getattr(torch, args.dtype)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 64, (BATCH, 16), generator=g) for _ in range(args.steps)]
-    reference, ref_clipped, ref_after = run_reference(batches)
-    base = build_model()
+    reference, ref_clipped, ref_after = run_reference(batches, dtype)
+    base = build_model(dtype)
 
     results = {"tau": TAU, "world": world, "steps": args.steps,
                "reference": {"clipped_heads": ref_clipped, "max_logit_after": ref_after}}
-    for backend in args.backends.split(","):
+    for backend in backends:
         if backend.startswith("zero"):
             trained, clipped, after, last_max = run_deepspeed(base, batches, int(backend[-1]), rank, world)
         else:
             trained, clipped, after, last_max = run_torch(base, batches, backend, rank, world)
+        if args.baseline == "ddp" and backend == "ddp":
+            reference = trained
         diffs = {n: ((t - q).abs().max() / q.abs().max()).item()
                  for (n, _), t, q in zip(base.named_parameters(), trained, reference)}
         # A key bias adds q·b_k to every logit of a query's row, which softmax ignores: its gradient is
