@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_muon import Muon
+from hf_muon.distributed import plan as owner_plan
 from hf_muon.distributed import sharding
 from same_answer import MODELS, build, loss_fn, train, wrap, write_and_shut_down
 from zero_same_answer import BATCH, zero_config
@@ -32,15 +33,16 @@ OPTIMIZER = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
 
 def recording_plans(plans: list):
-    """Wrap the bucket planner the exchange uses so the plans that really ran are seen here."""
-    real = sharding.plan_buckets
+    """Wrap the bucket planner the exchange uses so the plans that really ran are seen here: in
+    ``plan_exchange`` (the first plan) and in ``exchange_over`` (another wire width's)."""
+    real = owner_plan.plan_buckets
 
     def plan(layouts, *args):
         buckets = real(layouts, *args)
         plans.append((buckets, any(not layout.holds(r) for layout in layouts for r in range(len(layout.ranges)))))
         return buckets
 
-    sharding.plan_buckets = plan
+    owner_plan.plan_buckets = sharding.plan_buckets = plan
 
 
 def failing_newton_schulz(rank: int, fail_on_rank: int):
