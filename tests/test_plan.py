@@ -24,6 +24,7 @@ import sys
 
 import pytest
 import torch
+from tests.conftest import hf_muon_cli
 
 from hf_muon.distributed.exchange import ExchangeStats, exchange_volume, orthogonalize_distributed
 from hf_muon.distributed.layout import group_flat_sharded
@@ -455,14 +456,20 @@ def test_bad_inputs_api(tmp_path):
         plan_model("no-such-model-xyz", "ddp", [2])
 
 
-def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _cli_process(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m hf_muon.cli plan ...`` as a user runs it (5 s of imports each time)."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "hf_muon.cli", "plan", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The same command in this process; test_cli_llama_3_8b_zero3 runs the entry point as a process."""
+    return hf_muon_cli("plan", *args)
+
+
 def test_cli_llama_3_8b_zero3(tmp_path):
-    result = _cli("llama-3-8b", "--layout", "zero3", "--world", "64,1024", "--plot", str(tmp_path / "plan.png"))
+    result = _cli_process("llama-3-8b", "--layout", "zero3", "--world", "64,1024", "--plot", str(tmp_path / "plan.png"))
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "llama-3-8b (LlamaForCausalLM): zero3, 64 ranks of h100-sxm over ib-400g" in out

@@ -9,7 +9,7 @@ import transformers
 from torch import nn
 
 from hf_muon import Muon, split_parameters
-from tests.conftest import minilm_path
+from tests.conftest import hf_muon_cli, minilm_path
 
 
 def names(pairs):
@@ -168,6 +168,6 @@ def test_inspect_cli_prints_the_split(tmp_path):
     assert "model.layers.0.self_attn.q_proj.weight" in out and "muon" in out
     assert "lm_head.weight" in out and "output embedding" in out
     assert "optimizer state" in out.lower()
-    out_minilm = subprocess.run([sys.executable, "-m", "hf_muon.cli", "inspect", minilm_path()],
-                                capture_output=True, text=True, check=True).stdout
-    assert "embeddings.word_embeddings.weight" in out_minilm and "input embedding" in out_minilm
+    minilm = hf_muon_cli("inspect", minilm_path())  # in this process: the entry point ran above
+    assert minilm.returncode == 0
+    assert "embeddings.word_embeddings.weight" in minilm.stdout and "input embedding" in minilm.stdout
