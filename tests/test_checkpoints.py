@@ -3,7 +3,8 @@
 Multi-process part: the tiny Llama trains 8 steps under a source layout (checkpoint at step 4,
 global batch 12 everywhere), a new launch under another layout resumes from step 4; its final
 parameters must be the uninterrupted one-process run's (fp32 Newton–Schulz, lr 1e-3: uninterrupted
-layouts agree within 2e-6 there). In-process part: the same through ``save_portable``/``load_portable``
+layouts agree within 2e-6 there); resumed under its own layout, the uninterrupted run's bit for bit.
+In-process part: the same through ``save_portable``/``load_portable``
 and the refusals (other model, other split, damaged, partial, newer, no state at all).
 """
 
@@ -19,7 +20,8 @@ import hf_muon  # noqa: F401
 from hf_muon import Muon
 from hf_muon.checkpoint import CheckpointError, load_portable, portable_dir, save_portable
 from hf_muon.launching import free_port
-from test_deepspeed_launch import ACC_CONFIGS, ACCELERATE, TINY, accelerate, max_rel_diff, run_ok
+from test_deepspeed_launch import (ACC_CONFIGS, ACCELERATE, TINY, accelerate, check_run, check_telemetry,
+                                   check_zero3_persistence, max_rel_diff, reports, run_ok)
 
 PY = sys.executable
 TOLERANCE = 1e-5
@@ -44,6 +46,7 @@ LAYOUTS = {
     "gas4": (one_process, 3, 4),
     "ddp": (lambda *a: accelerate("ddp_cpu.yaml", *a), 6, 1),
     "fsdp2": (lambda *a: accelerate("fsdp2.yaml", *a), 6, 1),
+    "zero1": (lambda *a: accelerate("deepspeed_zero1.yaml", *a), 6, 1),
     "zero1x3": (zero1_three_ranks, 4, 1),
     "zero2": (lambda *a: accelerate("deepspeed_zero2.yaml", *a), 6, 1),
     "zero3": (lambda *a: accelerate("deepspeed_zero3.yaml", *a), 6, 1),
@@ -106,6 +109,30 @@ def test_checkpoint_resumes_under_another_layout(tmp_path, source, written, resu
     vs_one, vs_written = max_rel_diff(final, reference), max_rel_diff(final, load_rank0(written_prefix))
     print(f"{written} -> {resumed}: max rel. diff {vs_one:.1e} vs one process, {vs_written:.1e} vs {written}")
     assert vs_one <= TOLERANCE and vs_written <= TOLERANCE
+
+
+# The engine each 2-rank layout's reports name (train_tiny.py --report)
+ENGINES = {"ddp": "ddp", "fsdp2": "fsdp", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(ENGINES))
+def test_resume_in_the_same_layout_is_bit_identical(tmp_path, source, layout):
+    """Each engine through the launcher and config a user would use: the Trainer saved at step 4 of 8,
+    a new launch resumes from it, and its final parameters are the uninterrupted run's bit for bit
+    (hf_muon_state/ restores the exact fp32 weights and state)."""
+    engine, full = ENGINES[layout], source(layout)
+    for r in check_run(full, STEPS, engine):
+        assert r["train_losses"][-1] < r["train_losses"][0], r["train_losses"]
+        if layout == "zero3":
+            check_zero3_persistence(r)
+    check_telemetry(reports(full), exchanged=None if layout in ("zero1", "zero2") else True)
+    resumed = str(tmp_path / "resumed")
+    train(layout, resumed, "--resume_from_checkpoint", os.path.join(full, "checkpoint-4"))
+    check_run(resumed, STEPS, engine, ns_steps=STEPS - 4)  # only steps 5-8 ran
+    full_params = [load_rank0(full), torch.load(f"{full}.rank1.pt")]
+    assert max_rel_diff(full_params[1], full_params[0]) == 0.0  # the ranks agree
+    assert max_rel_diff(load_rank0(resumed), full_params[0]) == 0.0
 
 
 KILL_BOUND = 60  # seconds from a rank's death to the end of the whole job (README, "Reliability")

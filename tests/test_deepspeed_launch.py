@@ -1,12 +1,12 @@
 """Launchers and shipped configs end to end on CPU: 2 ranks, a tiny Llama, the Trainer, ``--optim muon``.
 
-Every file in ds_configs/ and examples/accelerate_configs/ runs here, through ``accelerate launch``,
-``torchrun`` and ``deepspeed``; Trainer checkpoints resume to the uninterrupted answer under DDP,
-ZeRO-1/2/3 and FSDP2; a two-machine launch is simulated on loopback; DeepSpeed configs that would
-drop hf_muon are refused. Each launch has a hard timeout that stops its whole process group.
+Every file in ds_configs/ and examples/accelerate_configs/ runs here or in test_checkpoints.py (whose
+launches, through the accelerate configs, also resume Trainer checkpoints bit for bit under DDP,
+ZeRO-1/2/3 and FSDP2), through ``accelerate launch``, ``torchrun`` and ``deepspeed``; a two-machine
+launch is simulated on loopback; DeepSpeed configs that would drop hf_muon are refused. Each launch has
+a hard timeout that stops its whole process group.
 """
 
-import glob
 import json
 import math
 import os
@@ -398,38 +398,3 @@ def test_two_machines_on_loopback_finish_with_identical_parameters(tmp_path):
         assert train_loss_fell(r)
     rank0, rank1 = load(prefix)
     assert max_rel_diff(rank1, rank0) == 0.0
-
-
-# Checkpoints: Trainer saves at step 3 of 6; a new launch resumes from it; the final parameters must
-# be the uninterrupted run's, bit for bit. Each engine through the launcher and config a user would use
-# (other layouts: tests/test_checkpoints.py).
-CHECKPOINT_CASES = {
-    "ddp": (lambda *a: accelerate("ddp_cpu.yaml", *a), "ddp"),
-    "zero1": (lambda *a: accelerate("deepspeed_zero1.yaml", *a), "deepspeed"),
-    "zero2": (lambda *a: accelerate("deepspeed_zero2.yaml", *a), "deepspeed"),
-    "zero3": (lambda *a: accelerate("deepspeed_zero3.yaml", *a), "deepspeed"),
-    "fsdp2": (lambda *a: accelerate("fsdp2.yaml", *a), "fsdp"),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
-def test_resume_from_checkpoint_gives_the_uninterrupted_answer(tmp_path, case):
-    command, engine = CHECKPOINT_CASES[case]
-    args = ["--optim", "muon", "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "3", *TRAIN]
-    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    run_ok(command("--output_dir", full, "--dump_params", full, "--report", full, *args))
-    for r in check_run(full, 6, engine):
-        assert train_loss_fell(r)
-        if case == "zero3":
-            check_zero3_persistence(r)
-    check_telemetry(reports(full), exchanged=None if case in ("zero1", "zero2") else True)
-    checkpoint = os.path.join(full, "checkpoint-3")
-    assert os.path.isdir(checkpoint), sorted(glob.glob(os.path.join(full, "*")))
-    run_ok(command("--output_dir", resumed, "--dump_params", resumed, "--report", resumed,
-                   "--resume_from_checkpoint", checkpoint, *args))
-    check_run(resumed, 6, engine, ns_steps=3)  # only steps 4-6 ran
-    full_params, resumed_params = load(full), load(resumed)
-    assert max_rel_diff(full_params[1], full_params[0]) == 0.0  # the ranks agree
-    # hf_muon_state/ restores the exact fp32 weights and state: the resume is bit-identical
-    assert max_rel_diff(resumed_params[0], full_params[0]) == 0.0
