@@ -1,7 +1,7 @@
 # Two commands a new machine needs (nothing installed by hand):
 #   make demo   train the demo model with Muon and with AdamW, print both eval losses, plot them
 #   make test   run the whole test suite
-#   make test-fast   the tests without multi-process launches (pytest -m "not slow", under 2 minutes)
+#   make test-fast   the tests without multi-process launches (pytest -m "not slow", about 3 minutes)
 # Both create/update the virtual environment in $(VENV). A torch already importable there (e.g.
 # your own CUDA build, seen through --system-site-packages) is kept; otherwise torch==2.13.0 is installed.
 
