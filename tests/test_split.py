@@ -1,8 +1,5 @@
 """Which parameters get Muon, on real model families built from configs (and the real MiniLM)."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import transformers
@@ -163,11 +160,12 @@ def test_inspect_cli_prints_the_split(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "hf_muon.cli", "inspect", str(tmp_path)],
-                         capture_output=True, text=True, check=True).stdout
+    run = hf_muon_cli("inspect", str(tmp_path))  # test_fused runs the entry point as a process
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
     assert "model.layers.0.self_attn.q_proj.weight" in out and "muon" in out
     assert "lm_head.weight" in out and "output embedding" in out
     assert "optimizer state" in out.lower()
-    minilm = hf_muon_cli("inspect", minilm_path())  # in this process: the entry point ran above
+    minilm = hf_muon_cli("inspect", minilm_path())
     assert minilm.returncode == 0
     assert "embeddings.word_embeddings.weight" in minilm.stdout and "input embedding" in minilm.stdout

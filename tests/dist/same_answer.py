@@ -206,8 +206,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     base = build(args.model).to(dtype)
     batches = [torch.randint(0, 64, (8, 16)) for _ in range(args.steps)]
-    # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then sharded and
-    # single-process runs agree to fp32 round-off, and any larger gap is a bug in the exchange.
+    # Newton–Schulz in the model's dtype, never the policy's bf16 (picked on CPUs with bf16 matmul): then
+    # sharded and single-process runs agree to that dtype's round-off, and a larger gap is an exchange bug.
     opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=dtype)
 
     def params_of(model: nn.Module):
