@@ -154,6 +154,39 @@ def test_ns_efficiency_counts_the_executed_products(dtype_name):
         assert row["ns_s"] > 0 and row["bare_matmul_s"] > 0 and row["fraction_of_machine"] > 0
 
 
+def test_optimizer_step_script_runs_figure_1_on_the_device_named(tmp_path):
+    """benchmarks/optimizer_step.py --device (the command a lent GPU runs, here on the CPU): every
+    contender timed with its ratio to torch.optim.Muon, Newton–Schulz FLOP/s and the orthogonality
+    table, in the device's policy dtype, written to --json."""
+    import torch
+
+    from hf_muon.bench.common import CONTENDERS, HF_MUON_FP32, TORCH_MUON
+    from hf_muon.bench.optimizer_step import policy_ns_dtype
+
+    out = tmp_path / "fig1.json"
+    tiny = ["--d", "64", "--ff", "160", "--layers", "1", "--heads", "2", "--kv_heads", "1", "--repeats", "2"]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "optimizer_step.py"), *tiny,
+                           "--device", "cpu", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    dtype = policy_ns_dtype("cpu")
+    assert result["device"] == "cpu" and result["ns_dtype"] == str(dtype).replace("torch.", "")
+    assert f"on cpu, {result['torch_threads']} CPU threads, Newton–Schulz in {result['ns_dtype']}" in proc.stdout
+    expected = [c for c in CONTENDERS if not (c == HF_MUON_FP32 and dtype == torch.float32)]
+    if not hasattr(torch.optim, "Muon"):
+        expected.remove(TORCH_MUON)
+    rows = result["step_time"]["set"]["contenders"]
+    assert list(rows) == expected
+    for name in expected:
+        assert rows[name]["median"] > 0 and len(rows[name]["samples"]) == 2, rows[name]
+        if TORCH_MUON in expected:
+            assert rows[name]["x_torch_muon"]["median"] > 0
+    assert result["ns_efficiency"]["set"]["total"]["shipped"]["ns_s"] > 0
+    table = result["orthogonality"]["set"]
+    shipped = f"hf_muon shipped on this CPU (quintic, {result['ns_dtype']}, Frobenius, 5 steps)"
+    assert shipped in table and 0 < table[shipped]["gaussian"]["relative_error"] < 1
+
+
 def _failures(node, path=""):
     """Every ``failed`` (and ``lane_failure``, ``missing_runs``) entry under ``node``, with where it is."""
     found = []

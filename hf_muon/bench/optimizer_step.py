@@ -8,6 +8,10 @@
   executes (same shapes, same dtype, timed bare with preallocated outputs);
 * orthogonality error of each Newton–Schulz variant against the exact polar factor ``U V^T`` of an
   SVD in float64, on Gaussian and on gradient-like (rank 4 plus 1e-2 noise) matrices of each set.
+
+All of it runs on the CPU unless ``cfg["device"]`` names another device (``benchmarks/optimizer_step.py
+--device cuda``, the check for a lent GPU): tensors are made there, Newton–Schulz runs in that device's
+policy dtype, and each timed call waits for the device's queued kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..distributed.rates import synchronize
 from .common import (ADAMW, CONTENDERS, HF_MUON, HF_MUON_AOL, HF_MUON_FP32, TORCH_MUON, llama_matrices,
                      progress, summarize)
 
@@ -59,7 +64,7 @@ def make_optimizer(name: str, params: list[nn.Parameter]) -> tuple[torch.optim.O
 
 
 def time_steps(names: list[str], shapes: list[tuple[int, int]], repeats: int, min_repeats: int, budget_s: float,
-               warmup_cutoff_s: float = 5.0, bar=None) -> dict[str, dict[str, Any]]:
+               warmup_cutoff_s: float = 5.0, bar=None, device: torch.device | str = "cpu") -> dict[str, dict[str, Any]]:
     """Median/min–max of timed ``step()`` calls of each contender in ``names``, timed in rounds (one
     step of each contender per round) so that load from elsewhere on a shared machine hits them
     alike. Every contender gets its own copy of the same parameters and the same gradients.
@@ -67,10 +72,12 @@ def time_steps(names: list[str], shapes: list[tuple[int, int]], repeats: int, mi
     Per contender, the same rules: its first step is a warm-up (untimed) unless it took longer than
     ``warmup_cutoff_s`` (one-time costs, state allocation and first-call setup, are well under a
     second here, so they cannot move such a step, and it counts); it leaves the rounds after
-    ``repeats`` timed steps, or after ``min_repeats`` once its timed steps have used ``budget_s``."""
+    ``repeats`` timed steps, or after ``min_repeats`` once its timed steps have used ``budget_s``.
+    The tensors live on ``device`` (drawn on the CPU, so every device gets the same numbers)."""
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
-    init = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) for s in shapes]
+    init = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
+    grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
     state: dict[str, dict[str, Any]] = {}
     for name in names:
         params = [nn.Parameter(t.clone()) for t in init]
@@ -83,8 +90,10 @@ def time_steps(names: list[str], shapes: list[tuple[int, int]], repeats: int, mi
             for p, g in zip(st["params"], grads):
                 p.grad = g
             with st["context"]():
+                synchronize(device)
                 start = time.perf_counter()
                 st["opt"].step()
+                synchronize(device)
                 elapsed = time.perf_counter() - start
             first, st["first"] = st["first"], False
             if first and elapsed <= warmup_cutoff_s:
@@ -133,7 +142,8 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
                     bar.update()
                     continue
             timed.append(name)
-        measured = time_steps(timed, shapes, cfg["repeats"], cfg["min_repeats"], cfg["budget_s"], bar=bar)
+        measured = time_steps(timed, shapes, cfg["repeats"], cfg["min_repeats"], cfg["budget_s"], bar=bar,
+                              device=cfg.get("device", "cpu"))
         for name in contenders:
             if name in measured:
                 rows[name] = measured[name]
@@ -148,44 +158,47 @@ def step_times(sets: dict[str, dict[str, int]], cfg: dict[str, Any]) -> dict[str
     return out
 
 
-def _interleaved_medians(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
-    """Median time of each of ``fns``, timed in alternation (a, b, a, b, ...) after one untimed call
-    each, so that a burst of load from elsewhere on a shared machine hits them alike."""
+def _interleaved_medians(fns: list[Callable[[], Any]], repeats: int, device: torch.device) -> list[float]:
+    """Median time of each of ``fns`` (work on ``device``), timed in alternation (a, b, a, b, ...) after
+    one untimed call each, so that a burst of load from elsewhere on a shared machine hits them alike."""
     for fn in fns:
         fn()
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, out in zip(fns, samples):
+            synchronize(device)
             start = time.perf_counter()
             fn()
+            synchronize(device)
             out.append(time.perf_counter() - start)
     return [sorted(s)[len(s) // 2] for s in samples]
 
 
 def _fastest_layout(b: int, m: int, k: int, n: int, dtype: torch.dtype, gen: torch.Generator,
-                    repeats: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    repeats: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Operands of a bare ``[b, m, k] @ [b, k, n]`` in the memory layout (each operand row- or
     column-major) the machine multiplies fastest: the reference is the best this machine does."""
     def operand(rows: int, cols: int, transposed: bool) -> torch.Tensor:
         if transposed:
-            return torch.randn(b, cols, rows, generator=gen, dtype=dtype).mT
-        return torch.randn(b, rows, cols, generator=gen, dtype=dtype)
+            return torch.randn(b, cols, rows, generator=gen, dtype=dtype).to(device).mT
+        return torch.randn(b, rows, cols, generator=gen, dtype=dtype).to(device)
 
-    out = torch.empty(b, m, n, dtype=dtype)
+    out = torch.empty(b, m, n, dtype=dtype, device=device)
     variants = [(operand(m, k, tx), operand(k, n, ty)) for tx in (False, True) for ty in (False, True)]
-    times = _interleaved_medians([lambda x=x, y=y: torch.bmm(x, y, out=out) for x, y in variants], repeats)
+    times = _interleaved_medians([lambda x=x, y=y: torch.bmm(x, y, out=out) for x, y in variants], repeats, device)
     x, y = variants[times.index(min(times))]
     return x, y, out
 
 
-def policy_ns_dtype() -> torch.dtype:
-    """The dtype ``hf_muon.Muon`` runs Newton–Schulz in on this CPU by default."""
+def policy_ns_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype ``hf_muon.Muon`` runs Newton–Schulz in on ``device`` by default."""
     from ..optimizer.muon import resolve_ns_dtype
 
-    return resolve_ns_dtype(None, torch.device("cpu"))
+    return resolve_ns_dtype(None, torch.device(device))
 
 
-def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtype) -> dict[str, Any]:
+def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> dict[str, Any]:
     """Newton–Schulz time per distinct shape (batched as hf_muon.Muon batches it) against the time of
     the bare matrix products it executes, in the same order (``torch.bmm`` into preallocated
     outputs, same batch, shapes and dtype, each product in its fastest operand layout), timed in
@@ -193,16 +206,17 @@ def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtyp
     ``fraction = bare time / NS time`` = achieved FLOP/s over the machine's matmul FLOP/s."""
     from ..kernels.newton_schulz import ns_flops, ns_matmuls, orthogonalize, resolve_method
 
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(1)
     rows = []
     for (r, c), count in Counter(shapes).items():
-        batch = torch.randn(count, r, c, generator=gen)
+        batch = torch.randn(count, r, c, generator=gen).to(device)
         for label, method in (("shipped", resolve_method(r, c, NS_STEPS, dtype)), ("before", "standard")):
             if label == "before" and method == rows[-1]["method"]:  # the same code path: measured once
                 rows.append({**rows[-1], "kernel": label})
                 continue
             products = ns_matmuls(r, c, NS_STEPS, method, dtype)
-            buffers = {mkn: _fastest_layout(count, *mkn, dtype, gen, repeats) for mkn in set(products)}
+            buffers = {mkn: _fastest_layout(count, *mkn, dtype, gen, repeats, device) for mkn in set(products)}
 
             def bare() -> None:
                 for mkn in products:
@@ -212,7 +226,7 @@ def ns_efficiency(shapes: list[tuple[int, int]], repeats: int, dtype: torch.dtyp
             def ns() -> None:
                 orthogonalize(batch, NS_STEPS, "quintic", dtype, method=method)
 
-            ns_time, bare_time = _interleaved_medians([ns, bare], repeats)
+            ns_time, bare_time = _interleaved_medians([ns, bare], repeats, device)
             executed = count * ns_flops(r, c, NS_STEPS, method, dtype)
             standard = count * ns_flops(r, c, NS_STEPS, "standard")
             rows.append({
@@ -254,8 +268,9 @@ def torch_muon_ns(g: torch.Tensor) -> torch.Tensor:
     return param.detach().neg() / scale
 
 
-def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """The Newton–Schulz variants of the orthogonality table; ``shipped`` is the policy's dtype here."""
+def ns_variants(shipped: torch.dtype, device: torch.device | str = "cpu") -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The Newton–Schulz variants of the orthogonality table; ``shipped`` is the policy's dtype on
+    ``device`` (named in the shipped variant's label: "CPU", "CUDA", ...)."""
     from ..kernels.newton_schulz import orthogonalize
 
     f32, bf16 = torch.float32, torch.bfloat16
@@ -263,7 +278,7 @@ def ns_variants(shipped: torch.dtype) -> dict[str, Callable[[torch.Tensor], torc
     name, other_name = (str(d).replace("torch.", "") for d in (shipped, other))
     variants = {
         "torch.optim.Muon (quintic, bf16, 5 steps)": torch_muon_ns,
-        f"hf_muon shipped on this CPU (quintic, {name}, Frobenius, 5 steps)":
+        f"hf_muon shipped on this {torch.device(device).type.upper()} (quintic, {name}, Frobenius, 5 steps)":
             lambda g: orthogonalize(g, 5, "quintic", shipped, precondition="frobenius"),
         f"hf_muon AOL (quintic, {name}, 4 steps)": lambda g: orthogonalize(g, 4, "quintic", shipped, precondition="aol"),
         f"hf_muon AOL (quintic, {name}, 5 steps)": lambda g: orthogonalize(g, 5, "quintic", shipped, precondition="aol"),
@@ -291,23 +306,25 @@ def ortho_input(kind: str, shape: tuple[int, int], gen: torch.Generator) -> torc
     raise ValueError(f"kind must be one of {ORTHO_INPUTS}, got {kind!r}")
 
 
-def orthogonality(shapes: list[tuple[int, int]], shipped: torch.dtype) -> dict[str, Any]:
+def orthogonality(shapes: list[tuple[int, int]], shipped: torch.dtype,
+                  device: torch.device | str = "cpu") -> dict[str, Any]:
     """Per variant and input kind (:data:`ORTHO_INPUTS`): relative Frobenius error ``|O - U V^T| / |U V^T|``
     and the range of O's singular values, on one seeded matrix per distinct shape (the error averaged
-    with the shapes' counts)."""
+    with the shapes' counts). The variants run on ``device``; the SVDs and errors on the CPU in float64."""
     gen = torch.Generator().manual_seed(2)
     counts = Counter(shapes)
-    out: dict[str, Any] = {name: {} for name in ns_variants(shipped)}
+    variants = ns_variants(shipped, device)
+    out: dict[str, Any] = {name: {} for name in variants}
     for kind in ORTHO_INPUTS:
         inputs = {shape: ortho_input(kind, shape, gen) for shape in counts}
         polar = {}
         for shape, g in inputs.items():
             u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
             polar[shape] = u @ vh
-        for name, fn in ns_variants(shipped).items():
+        for name, fn in variants.items():
             errors, smin, smax = [], [], []
             for shape, g in inputs.items():
-                o = fn(g).double()
+                o = fn(g.to(device)).double().cpu()
                 errors += [((o - polar[shape]).norm() / polar[shape].norm()).item()] * counts[shape]
                 s = torch.linalg.svdvals(o)
                 smin.append(s.min().item())
@@ -320,10 +337,13 @@ def orthogonality(shapes: list[tuple[int, int]], shipped: torch.dtype) -> dict[s
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """Figure 1 with the preset's ``cfg``: ``sets`` (name -> d, layers, heads, kv_heads, optional ff; the
     first is the set the NS FLOP/s target reads; the step-time target reads every set), ``contenders``, ``repeats``, ``min_repeats``, ``budget_s``,
-    ``max_step_s``, ``ns_sets`` (sets whose Newton–Schulz FLOP/s is measured), ``ns_repeats``."""
+    ``max_step_s``, ``ns_sets`` (sets whose Newton–Schulz FLOP/s is measured), ``ns_repeats``, and
+    optionally ``device`` (default ``"cpu"``)."""
     sets = cfg["sets"]
-    dtype = policy_ns_dtype()
-    result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "ns_dtype": str(dtype).replace("torch.", "")}
+    device = torch.device(cfg.get("device", "cpu"))
+    dtype = policy_ns_dtype(device)
+    result: dict[str, Any] = {"device": str(device), "torch_threads": torch.get_num_threads(),
+                              "ns_dtype": str(dtype).replace("torch.", "")}
     contenders = cfg.get("contenders", CONTENDERS)
     if dtype == torch.float32:  # ns_dtype=fp32 is then what hf_muon.Muon runs anyway
         contenders = [c for c in contenders if c != HF_MUON_FP32]
@@ -333,10 +353,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ns_sets = cfg.get("ns_sets", list(sets))
     bar = progress(len(ns_sets) + len(sets), "fig 1: NS FLOP/s and orthogonality", "part")
     for set_name in ns_sets:
-        result["ns_efficiency"][set_name] = ns_efficiency(shape_set(sets[set_name]), cfg["ns_repeats"], dtype)
+        result["ns_efficiency"][set_name] = ns_efficiency(shape_set(sets[set_name]), cfg["ns_repeats"], dtype, device)
         bar.update()
     for set_name, spec in sets.items():
-        result["orthogonality"][set_name] = orthogonality(shape_set(spec), dtype)
+        result["orthogonality"][set_name] = orthogonality(shape_set(spec), dtype, device)
         bar.update()
     bar.close()
     return result

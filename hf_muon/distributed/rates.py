@@ -24,8 +24,10 @@ _MAX_BATCH = 8  # enough matrices per bmm to time batched throughput; more only 
 _BATCH_FLOPS = 2e9  # above this a batch is already long enough to time; larger ones take one matrix
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":  # kernels are queued: wait for them, or the clock times the launch
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (nothing to wait for on a CPU), so a clock read after it
+    times the work, not the launch."""
+    if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
 
@@ -38,17 +40,17 @@ def best_seconds(fn: Callable[[], object], repeats: int, device: torch.device | 
     device = torch.device(device)
     start = time.perf_counter()
     fn()
-    _synchronize(device)
+    synchronize(device)
     if not collective and time.perf_counter() - start > 0.5:
         repeats = 1  # a call this long is timed once more: first-call costs are small beside it
     best = float("inf")
     for _ in range(repeats):
         if before is not None:
             before()
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        _synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
