@@ -175,6 +175,8 @@ def test_fused_blocks_give_the_single_process_answer(tmp_path, backend, model):
     assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
     assert r["ns_matrices"] > r["muon_tensors"]  # the blocks, not the fused matrices, were orthogonalized
     assert sum(r["ns_calls"]) == r["ns_matrices"] * r["steps"]
+    # each rank ran what the owner plan gave it, with each fused projection costed as its blocks
+    assert r["ns_flops_run"] == pytest.approx([f * r["steps"] for f in r["ns_flops_per_rank"]], rel=1e-12)
 
 
 @pytest.mark.slow

@@ -188,6 +188,31 @@ def test_gpt2_fused_blocks_by_hand():
     assert p.exchange_sent.mean * 2 == 4 * muon  # halves each way, as above
 
 
+def test_owners_weigh_a_fused_projection_at_its_blocks_cost():
+    """What c_attn's owner runs (three 64x64 standard runs, 3 S = 23.6 MFLOP) is what the owner plan
+    weighs, not the whole 64x192's Gram cost (12.1 MFLOP, less than an MLP matrix's 13.1). At 4 ranks
+    the two c_attn go to two ranks with a c_proj each (4 S) and the four MLP matrices pair up on the
+    other two (2 x 13.1 MFLOP). Weighed whole, c_attn was paired with an MLP matrix: 36.7 MFLOP."""
+    s, mlp = standard(64, 64), gram(64, 256)
+    (p,) = plans(tiny_gpt2(), "fsdp2", [4])
+    assert p.ns_flops.max == 4 * s < 3 * s + mlp
+    assert p.ns_flops.min == 2 * mlp
+
+
+def test_layouts_with_blocks():
+    from hf_muon.distributed.layout import replicated, with_blocks
+
+    fused, plain = replicated((192, 64), False, 2), replicated((64, 64), False, 2)
+    blocked, same = with_blocks([fused, plain], [[(64, 64)] * 3, None])
+    assert blocked.ns_matrices == [(64, 64)] * 3 and blocked.ns_flops(5) == 3 * standard(64, 64)
+    assert same is plain and fused.ns_matrices == [(192, 64)]
+    assert with_blocks([fused], None) == [fused]
+    with pytest.raises(ValueError, match="2 block lists for 1 layouts"):
+        with_blocks([fused], [None, None])
+    with pytest.raises(ValueError, match="stacked"):
+        with_blocks([replicated((2, 64, 64), True, 2)], [[(64, 64)]])
+
+
 # ---- tiny Mixtral: the installed transformers' expert layout ---------------------------------------------
 def test_mixtral_experts_by_hand():
     model = tiny_mixtral()

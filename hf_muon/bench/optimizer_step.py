@@ -268,7 +268,8 @@ def torch_muon_ns(g: torch.Tensor) -> torch.Tensor:
     return param.detach().neg() / scale
 
 
-def ns_variants(shipped: torch.dtype, device: torch.device | str = "cpu") -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def ns_variants(shipped: torch.dtype,
+                device: torch.device | str = "cpu") -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The Newton–Schulz variants of the orthogonality table; ``shipped`` is the policy's dtype on
     ``device`` (named in the shipped variant's label: "CPU", "CUDA", ...)."""
     from ..kernels.newton_schulz import orthogonalize

@@ -132,10 +132,7 @@ def measure_link_rates(layouts: list[TensorLayout], group: dist.ProcessGroup | N
     if world < 2:
         raise ValueError(f"measuring a link needs at least 2 ranks, got {world}")
     device = torch.device(device)
-    shapes = []
-    for item in exchanged_matrices(layouts):
-        batch, rows, cols = item.layout.matrix_shape
-        shapes += [(rows, cols)] * batch
+    shapes = [shape for item in exchanged_matrices(layouts) for shape in item.layout.ns_matrices]
     if not shapes:
         raise ValueError("no matrices to measure Newton–Schulz on")
     flops, ns_s = products_seconds(ns_products(shapes, ns_steps, ns_dtype), ns_dtype, device)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
-from .layout import TensorLayout, replicated, row_sharded
+from .layout import TensorLayout, replicated, row_sharded, with_blocks
 from .plan import PIPELINE_BUCKETS, plan_buckets, plan_exchange
 
 
@@ -170,19 +170,21 @@ def make_exchange(
     process_group: dist.ProcessGroup | None = None,
     overlap: bool = True,
     flops_per_byte: float | MeasuredFlopsPerByte | None = None,
+    blocks: list[list[tuple[int, int]] | None] | None = None,
 ) -> Callable | None:
     """The exchange for whole or FSDP2-sharded ``params``, or ``None``: in a single process, or
     where :func:`exchange_over` finds each rank is faster alone (DDP, ``flops_per_byte`` given).
 
     ``stacked``: for all ``params``, or one flag per tensor (groups of stacked experts and of plain
     matrices share an exchange). Replicated ``params`` are exchanged over ``process_group`` (default:
-    the world); ``overlap``, ``flops_per_byte``: see :func:`exchange_over`."""
+    the world); ``overlap``, ``flops_per_byte``: see :func:`exchange_over`; ``blocks``: each fused
+    projection's block shapes, which its owner orthogonalizes apart (see :func:`layout.with_blocks`)."""
     where = process_group_of(params, process_group)
     if where is None:
         return None
     group, rank, world = where
-    return exchange_over(layouts_of(params, stacked, world), group, rank, world, ns_steps, stats, bucket_bytes,
-                         comm_dtype, ns_dtype, overlap, flops_per_byte)
+    return exchange_over(with_blocks(layouts_of(params, stacked, world), blocks), group, rank, world, ns_steps, stats,
+                         bucket_bytes, comm_dtype, ns_dtype, overlap, flops_per_byte)
 
 
 def all_ranks_agree(flag: bool, params: list[Tensor], process_group: dist.ProcessGroup | None = None) -> bool:

@@ -236,6 +236,12 @@ def _weight_axis_blocks(weight: Tensor, blocks: Blocks, where: str) -> Blocks:
     return blocks
 
 
+def block_shapes(shape: tuple[int, ...], blocks: Blocks | None) -> tuple[tuple[int, int], ...] | None:
+    """``(rows, cols)`` of each block of a weight of ``shape`` cut by ``blocks`` (``None``: not cut):
+    the matrices its owner orthogonalizes, which the owner plan costs."""
+    return None if blocks is None else tuple(blocks.shapes(shape))
+
+
 def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[str, Blocks]]:
     """``id(weight) -> (parameter name, Blocks)`` for each weight ``model`` stores fused, cut as
     ``ns_split`` says: ``"block"`` (each logical matrix: q, k, v, gate, up), ``"head"`` (attention

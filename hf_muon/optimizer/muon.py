@@ -22,13 +22,13 @@ from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES, ExchangeStats
 from ..distributed.providers import FlatPartition, bind_partition, describe_providers, owned_by_a_backend
-from ..distributed.layout import TensorLayout
+from ..distributed.layout import TensorLayout, with_blocks
 from ..distributed.rates import LinkRates, measure_link_rates
 from ..distributed.sharding import (MeasuredFlopsPerByte, all_ranks_agree, exchange_over, group_ranks, is_dtensor,
                                    local, make_exchange)
 from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SETS, check_precondition,
                                      default_ns_steps, orthogonalize)
-from ..models.fused import NS_SPLITS, Blocks, fused_blocks
+from ..models.fused import NS_SPLITS, Blocks, block_shapes, fused_blocks
 from .groups import build_param_groups, module_behind, validate_group
 from .param_split import MUON, shape_of
 from .shards import PendingState
@@ -834,15 +834,18 @@ class Muon(Optimizer):
         tenths of a second at scale."""
         group = members[0][0]
         stacked = [g["stacked"] for g, with_grad, _ in members for _ in with_grad]
+        blocks = [block_shapes(tuple(p.shape), cut)
+                  for _, with_grad, cuts in members for p, cut in zip(with_grad, cuts)]
         plan_dtype = plan_ns_dtype(group["ns_dtype"])
-        depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p), s) for p, s in zip(tensors, stacked)),
+        depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p), s, b) for p, s, b in zip(tensors, stacked, blocks)),
                       group["ns_steps"], plan_dtype, self.bucket_bytes, self.comm_dtype, self.overlap_exchange,
                       self.exchange_flops_per_byte, self.process_group, id(self.exchange_stats))
         planned = self._group_exchanges.get(family)
         if planned is None or planned[0] != depends_on:
             exchange = make_exchange(tensors, stacked, group["ns_steps"], self.exchange_stats, self.bucket_bytes,
                                      self.comm_dtype, plan_dtype, self.process_group, overlap=self.overlap_exchange,
-                                     flops_per_byte=self._flops_per_byte(group, local(tensors[0]).device))
+                                     flops_per_byte=self._flops_per_byte(group, local(tensors[0]).device),
+                                     blocks=blocks)
             planned = self._group_exchanges[family] = (depends_on, exchange)
         return planned[1]
 
@@ -866,11 +869,14 @@ class Muon(Optimizer):
             plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange, self.bucket_bytes,
                         self.comm_dtype, self.exchange_flops_per_byte, id(self.exchange_stats))
             if plan_key not in self._partition_exchanges:
+                blocks = self._partition_blocks(group, part)
+                layouts = with_blocks(list(part.layouts), [block_shapes(layout.shape, cut)
+                                                           for layout, cut in zip(part.layouts, blocks)])
                 self._partition_exchanges[plan_key] = (
-                    exchange_over(list(part.layouts), part.group, part.rank, part.world, group["ns_steps"],
+                    exchange_over(layouts, part.group, part.rank, part.world, group["ns_steps"],
                                   self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype,
                                   self.overlap_exchange, self._flops_per_byte(group, flat.device)),
-                    [layout.shape for layout in part.layouts], self._partition_blocks(group, part))
+                    [layout.shape for layout in part.layouts], blocks)
             exchange, shapes, blocks = self._partition_exchanges[plan_key]
             self._apply_muon([(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]), shapes,
                                blocks, key)], exchange)

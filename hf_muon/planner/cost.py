@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..distributed.exchange import DEFAULT_BUCKET_BYTES
-from ..distributed.layout import TensorLayout, flat_sharded, group_flat_sharded, replicated, row_sharded
+from ..distributed.layout import TensorLayout, flat_sharded, group_flat_sharded, replicated, row_sharded, with_blocks
 from ..distributed.plan import plan_exchange
-from ..kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps, orthogonalize_flops
+from ..kernels.newton_schulz import DEFAULT_NS_PRECONDITION, default_ns_steps
 from .model import ModelTensors, PlanTensor
 from .presets import Accelerator, Interconnect
 
@@ -121,24 +121,20 @@ class Plan:
 
 
 def _layouts(layout: str, tensors: list[PlanTensor], world: int) -> list[TensorLayout]:
+    """The layouts ``tensors`` have under ``layout``, with fused projections' blocks (costed block by
+    block, as their owners run them)."""
     if layout == "ddp":
-        return [replicated(t.shape, t.stacked, world) for t in tensors]
-    if layout == "fsdp2":
-        return [row_sharded(t.shape, t.stacked, world) for t in tensors]
-    if layout == "zero3":
-        return [flat_sharded(t.shape, t.stacked, world) for t in tensors]
-    if layout in ("zero1", "zero2"):  # one DeepSpeed param group per Muon group, flattened and split
+        layouts = [replicated(t.shape, t.stacked, world) for t in tensors]
+    elif layout == "fsdp2":
+        layouts = [row_sharded(t.shape, t.stacked, world) for t in tensors]
+    elif layout == "zero3":
+        layouts = [flat_sharded(t.shape, t.stacked, world) for t in tensors]
+    elif layout in ("zero1", "zero2"):  # one DeepSpeed param group per Muon group, flattened and split
         stacked = {t.stacked for t in tensors}
-        return group_flat_sharded([t.shape for t in tensors], stacked.pop() if stacked else False, world)
-    raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
-
-
-def executed_flops(tensor: PlanTensor, layout: TensorLayout, steps: int, dtype: torch.dtype) -> float:
-    """FLOPs the owner runs on ``tensor``: block by block for a fused projection, else the layout's
-    own (per expert for a stack)."""
-    if tensor.blocks is None:
-        return layout.ns_flops(steps, dtype)
-    return float(sum(orthogonalize_flops(rows, cols, steps, dtype) for rows, cols in tensor.blocks))
+        layouts = group_flat_sharded([t.shape for t in tensors], stacked.pop() if stacked else False, world)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {LAYOUTS}")
+    return with_blocks(layouts, [t.blocks for t in tensors])
 
 
 def _backend_bytes(layout: str, world: int, params: int, param_bytes: int, grad_bytes: int) -> dict[str, float]:
@@ -253,7 +249,6 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     exchanges = _exchanges(layout, tensors, world, sub_group_size)
     for groups in exchanges:
         layouts = [lay for group in groups for lay in _layouts(layout, group, world)]
-        carried = [t for group in groups for t in group]
         for lay in layouts:
             for r, (start, end) in enumerate(lay.ranges):
                 muon_held[r] += end - start
@@ -264,9 +259,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
             pinned += sum(lay.sole_holder is not None for lay in planned.item_layouts)
         exchange_flops = [0.0] * world
         for item, owner in zip(planned.items, planned.owners):
-            t = carried[item.source]
-            exchange_flops[owner] += executed_flops(t, item.layout, ns_steps, ns_dtype)
-            matrices += len(t.blocks) if t.blocks is not None else 1  # an item is one matrix
+            exchange_flops[owner] += item.layout.ns_flops(ns_steps, ns_dtype)
+            matrices += len(item.layout.ns_matrices)
         if not planned.pays:
             # as Muon decides it (exchange_over): every rank runs all the Newton–Schulz, nothing moves
             flops = [a + sum(exchange_flops) for a in flops]

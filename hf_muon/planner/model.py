@@ -92,7 +92,7 @@ def meta_model(config):
 def model_tensors(model, name: str | None = None, ns_split: str = "block") -> ModelTensors:
     """The Muon groups (as ``ParameterSplit.param_groups`` makes them), their blocks and the AdamW
     sizes of an ``nn.Module`` (real or on the meta device)."""
-    from ..models.fused import fused_blocks
+    from ..models.fused import block_shapes, fused_blocks
     from ..optimizer.param_split import MUON, split_parameters
 
     split = split_parameters(model)
@@ -105,9 +105,7 @@ def model_tensors(model, name: str | None = None, ns_split: str = "block") -> Mo
         tensors = []
         for pname, p in zip(group["param_names"], group["params"]):
             shape = tuple(p.shape)
-            cut = blocks.get(id(p))
-            tensors.append(PlanTensor(pname, shape, group["stacked"],
-                                      tuple(cut.shapes(shape)) if cut is not None else None))
+            tensors.append(PlanTensor(pname, shape, group["stacked"], block_shapes(shape, blocks.get(id(p)))))
         groups.append(tensors)
     return ModelTensors(name or type(model).__name__, groups, adamw)
 

@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_muon import Muon
+from hf_muon.distributed.layout import with_blocks
 from hf_muon.distributed.plan import assign_owners, ns_load
 from hf_muon.distributed.sharding import layouts_of
+from hf_muon.models.fused import block_shapes, fused_blocks
 from hf_muon.optimizer import muon as muon_module
 
 
@@ -249,12 +251,17 @@ def main() -> None:
     muon_params = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
     muon_numel = sum(p.numel() for p in muon_params)
     figures = torch.tensor(
-        [worst, calls["n"], opt.exchange_stats.bytes_sent, opt.exchange_stats.bytes_received, *link_rate_figures(opt)],
+        [worst, calls["n"], opt.exchange_stats.bytes_sent, opt.exchange_stats.bytes_received, calls["flops"],
+         *link_rate_figures(opt)],
         dtype=torch.float64
     )
     gathered = [torch.zeros_like(figures) for _ in range(world)]
     dist.all_gather(gathered, figures)
-    layouts = layouts_of(muon_params, False, world)
+    # the owner plan's Newton–Schulz per rank, fused projections costed block by block as they run
+    cuts = fused_blocks(model, "block")
+    layouts = with_blocks(layouts_of(muon_params, False, world),
+                          [block_shapes(tuple(p.shape), cuts[id(p)][1]) if id(p) in cuts else None
+                           for p in muon_params])
     load = ns_load(layouts, assign_owners(layouts, world, 5), world, 5)
     write_and_shut_down(rank, args.out, {
         "world": world, "steps": args.steps, "muon_tensors": len(muon_params), "muon_numel": muon_numel,
@@ -263,7 +270,8 @@ def main() -> None:
         "bytes_sent": [g[2].item() for g in gathered], "bytes_received": [g[3].item() for g in gathered],
         "ns_flops_per_rank": load, "muon_groups": sum(g["algorithm"] == "muon" for g in opt.param_groups),
         "stacked_groups": sum(g["algorithm"] == "muon" and g["stacked"] for g in opt.param_groups),
-        "exchange_plans": plans["n"], "link_rates": [g[4:].tolist() for g in gathered],
+        "ns_flops_run": [g[4].item() for g in gathered], "exchange_plans": plans["n"],
+        "link_rates": [g[5:].tolist() for g in gathered],
     })
 
 
