@@ -10,8 +10,8 @@ Gram iterations for wide matrices, Frobenius normalization, 5 steps), the same w
 ns_precondition="aol" (4 steps), with ns_dtype=fp32 where the policy picks bf16, and torch.optim.Muon
 (bf16, one matrix at a time).
 ``--device cuda`` runs it all on a GPU (Newton–Schulz in bf16 there, as ``torch.optim.Muon``): the
-check for a lent GPU, one set per call. Timings on a shared machine are noisy: read the ratios. The whole benchmark (all figures, report
-and plots) is ``hf-muon bench``.
+check for a lent GPU, one set per call. Timings on a shared machine are noisy: read the ratios.
+The whole benchmark (all figures, report and plots) is ``hf-muon bench``.
 """
 
 from __future__ import annotations
