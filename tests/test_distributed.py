@@ -38,17 +38,57 @@ def torchrun(script, args, nproc=2, timeout=300, env=None):
 SAME_ANSWER_BOUND = {"float32": 1e-5, "float64": 1e-12}
 
 
-def run_same_answer(tmp_path, backend, *extra, nproc=2):
-    out = tmp_path / f"{backend}.json"
-    torchrun(os.path.join(HERE, "dist", "same_answer.py"), ["--backend", backend, "--out", str(out), *extra], nproc)
+BACKENDS = ("ddp", "fsdp2")
+RATE_CASES = [("fsdp2", "mixtral3", "float32"), ("ddp", "block", "float64")]
+FUSED_CASES = [("ddp", "gpt2"), ("fsdp2", "gpt2"), ("fsdp2", "phi3"), ("fsdp2", "neox"), ("fsdp2", "falcon")]
+PROCESS_GROUPS = ("new_group", "per_rank")
+
+
+def rate_case(backend: str, model: str, dtype: str) -> list[str]:
+    return ["--backend", backend, "--model", model, "--steps", "3", "--dtype", dtype]
+
+
+# Every same-answer run of this file, by name: one 2-rank launch runs them in turn (a launch's
+# start-up, about 7 s here, is longer than most cases). The tests below read their cases' figures.
+SAME_ANSWER_CASES = {
+    # first: once a process has sharded a model, torch hands later DTensors an equal mesh made
+    # before, so only a fresh process shows units holding equal meshes that are different objects
+    "fsdp2-mesh-per-unit-per-tensor-groups": ["--backend", "fsdp2", "--groups", "per_tensor", "--steps", "4",
+                                              "--mesh_per_unit"],
+    **{f"{b}-accumulation-{a}": ["--backend", b, "--accumulation", str(a)] for b in BACKENDS for a in (1, 4)},
+    **{f"{b}-per-tensor-groups": ["--backend", b, "--groups", "per_tensor", "--steps", "4"] for b in BACKENDS},
+    **{f"{b}-mixtral": ["--backend", b, "--model", "mixtral", "--steps", "3"] for b in BACKENDS},
+    "fsdp2-mixtral3-kept": ["--backend", "fsdp2", "--model", "mixtral3", "--steps", "3"],
+    "fsdp2-mixtral3-moved": ["--backend", "fsdp2", "--model", "mixtral3", "--steps", "3",
+                             "--exchange_flops_per_byte", "1e-6"],
+    "ddp-alone": ["--backend", "ddp", "--steps", "3", "--dtype", "float64", "--exchange_flops_per_byte", "1e12"],
+    "ddp-shared": ["--backend", "ddp", "--steps", "3", "--dtype", "float64", "--exchange_flops_per_byte", "1e-6"],
+    **{name: args for b, m, d in RATE_CASES for name, args in [
+        (f"{b}-{m}-{d}-auto", [*rate_case(b, m, d), "--exchange_flops_per_byte", "auto"]),
+        # the number the case above measured, passed as a user would pass it
+        (f"{b}-{m}-{d}-given", [*rate_case(b, m, d), "--exchange_flops_per_byte", f"measured_by:{b}-{m}-{d}-auto"])]},
+    **{f"{b}-{m}-fused": ["--backend", b, "--model", m, "--steps", "4"] for b, m in FUSED_CASES},
+    "fsdp2-bf16-wire": ["--backend", "fsdp2", "--comm_dtype", "bfloat16"],
+    **{f"ddp-{mode}": ["--backend", "ddp", "--process_group", mode] for mode in PROCESS_GROUPS},
+}
+
+
+@pytest.fixture(scope="module")
+def same_answers(tmp_path_factory) -> dict[str, dict]:
+    """Each of ``SAME_ANSWER_CASES``' figures (``same_answer.py``'s JSON), by case name."""
+    folder = tmp_path_factory.mktemp("same_answer")
+    (folder / "cases.json").write_text(json.dumps(SAME_ANSWER_CASES))
+    out = folder / "results.json"
+    torchrun(os.path.join(HERE, "dist", "same_answer.py"), ["--cases", str(folder / "cases.json"), "--out", str(out)],
+             timeout=900)
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("accumulation", [1, 4])
-def test_same_answer_as_one_process(tmp_path, backend, accumulation):
-    r = run_same_answer(tmp_path, backend, "--accumulation", str(accumulation))
+def test_same_answer_as_one_process(same_answers, backend, accumulation):
+    r = same_answers[f"{backend}-accumulation-{accumulation}"]
     assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
     # each Muon matrix orthogonalized exactly once per optimizer step across all ranks
     assert sum(r["ns_calls"]) == r["muon_tensors"] * r["steps"]
@@ -62,14 +102,16 @@ def test_same_answer_as_one_process(tmp_path, backend, accumulation):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
-def test_param_groups_share_one_exchange(tmp_path, backend):
+@pytest.mark.parametrize("backend", [*BACKENDS, "fsdp2-mesh-per-unit"])
+def test_param_groups_share_one_exchange(same_answers, backend):
     """One param group per parameter (as per-layer learning rates make), every other matrix's with 4
     Newton–Schulz steps: the groups whose plans cost alike share one exchange (each group's own would
     put every group's busiest owner on the step's critical path), so two exchanges, each planned
     at the first step and reused; each matrix is orthogonalized once, with its group's settings, and
-    the answer is the single process's."""
-    r = run_same_answer(tmp_path, backend, "--groups", "per_tensor", "--steps", "4")
+    the answer is the single process's. FSDP2 units sharded over meshes of their own (equal, but
+    different objects: fully_shard's default, Accelerate's without a parallelism config) share the
+    exchange too."""
+    r = same_answers[f"{backend}-per-tensor-groups"]
     assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
     assert r["muon_groups"] >= 5
     assert sum(r["ns_calls"]) == r["muon_tensors"] * r["steps"]
@@ -78,12 +120,12 @@ def test_param_groups_share_one_exchange(tmp_path, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
-def test_stacked_experts_share_the_exchange(tmp_path, backend):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stacked_experts_share_the_exchange(same_answers, backend):
     """Mixtral (transformers 5 stacks each layer's experts in one tensor: a param group of its own):
     the stacked group and the plain matrices' group share one exchange, each expert is orthogonalized
     once, and the answer is the single process's."""
-    r = run_same_answer(tmp_path, backend, "--model", "mixtral", "--steps", "3")
+    r = same_answers[f"{backend}-mixtral"]
     assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
     assert r["stacked_groups"] >= 1 and r["muon_groups"] >= 2
     assert r["exchange_plans"] == 1
@@ -92,16 +134,13 @@ def test_stacked_experts_share_the_exchange(tmp_path, backend):
 
 
 @pytest.mark.slow
-def test_experts_held_whole_move_under_fsdp2_with_exchange_flops_per_byte(tmp_path):
+def test_experts_held_whole_move_under_fsdp2_with_exchange_flops_per_byte(same_answers):
     """A 3-expert Mixtral under FSDP2 at 2 ranks: rank 0 holds experts 0-1 of every stack whole, rank 1
     expert 2, and the other matrices cannot even that out. By default each expert is orthogonalized
     where it lies; with Muon(exchange_flops_per_byte=1e-6) (nearly free links) the owner plan moves one
     gate_up expert (384 x 48) to rank 1, which gathers it and sends its result back: same answer."""
     steps = 3
-    (tmp_path / "kept").mkdir(), (tmp_path / "moved").mkdir()
-    kept = run_same_answer(tmp_path / "kept", "fsdp2", "--model", "mixtral3", "--steps", str(steps))
-    moved = run_same_answer(tmp_path / "moved", "fsdp2", "--model", "mixtral3", "--steps", str(steps),
-                            "--exchange_flops_per_byte", "1e-6")
+    kept, moved = same_answers["fsdp2-mixtral3-kept"], same_answers["fsdp2-mixtral3-moved"]
     for r in (kept, moved):
         assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
         assert sum(r["ns_calls"]) == r["ns_matrices"] * steps  # each matrix once per step
@@ -113,14 +152,11 @@ def test_experts_held_whole_move_under_fsdp2_with_exchange_flops_per_byte(tmp_pa
 
 
 @pytest.mark.slow
-def test_ddp_ranks_go_alone_when_the_exchange_does_not_pay(tmp_path):
+def test_ddp_ranks_go_alone_when_the_exchange_does_not_pay(same_answers):
     """DDP at 2 ranks with exchange_flops_per_byte=1e12 (a link a trillion times slower than Newton–Schulz):
     no exchange is made, each rank orthogonalizes every matrix itself, nothing is sent, same answer.
     At 1e-6 the exchange pays and each matrix is orthogonalized once, on its owner."""
-    (tmp_path / "slow").mkdir(), (tmp_path / "fast").mkdir()
-    short = ["--steps", "3", "--dtype", "float64"]
-    alone = run_same_answer(tmp_path / "slow", "ddp", *short, "--exchange_flops_per_byte", "1e12")
-    shared = run_same_answer(tmp_path / "fast", "ddp", *short, "--exchange_flops_per_byte", "1e-6")
+    alone, shared = same_answers["ddp-alone"], same_answers["ddp-shared"]  # 3 steps in float64
     for r in (alone, shared):
         assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float64"]
     assert alone["ns_calls"] == [alone["ns_matrices"] * 3] * 2  # every matrix on every rank
@@ -142,20 +178,19 @@ def test_link_rates_are_measured_alike_when_ranks_arrive_apart(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, model, dtype", [("fsdp2", "mixtral3", "float32"), ("ddp", "block", "float64")])
-def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(tmp_path, backend, model, dtype):
+@pytest.mark.parametrize("backend, model, dtype", RATE_CASES)
+def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(same_answers, backend, model, dtype):
     """Muon(exchange_flops_per_byte="auto") times the plan's Newton–Schulz products and an all-to-all
     at the first step and takes the slowest rank's times, so both ranks hold the very same rates
     (their own timings differ) and plan alike; measured once; passing the measured number plans
     the same exchange (the same Newton–Schulz per rank and bytes); the single-process answer."""
-    steps = ["--model", model, "--steps", "3", "--dtype", dtype]
-    (tmp_path / "auto").mkdir(), (tmp_path / "given").mkdir()
-    auto = run_same_answer(tmp_path / "auto", backend, *steps, "--exchange_flops_per_byte", "auto")
+    auto = same_answers[f"{backend}-{model}-{dtype}-auto"]
     count, ns_rate, link_rate, flops_per_byte = auto["link_rates"][0]
     assert auto["link_rates"][1] == auto["link_rates"][0] and count == 1
     assert 1e8 < ns_rate < 1e15 and 1e6 < link_rate < 1e12  # FLOP/s, bytes/s: CPU to GPU, loopback to NVLink
     assert flops_per_byte == ns_rate / link_rate
-    given = run_same_answer(tmp_path / "given", backend, *steps, "--exchange_flops_per_byte", repr(flops_per_byte))
+    given = same_answers[f"{backend}-{model}-{dtype}-given"]
+    assert given["exchange_flops_per_byte"] == flops_per_byte  # passed as repr(flops_per_byte)
     assert given["link_rates"] == [[0, 0, 0, 0]] * 2  # a number: nothing measured
     for r in (auto, given):
         assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND[dtype]
@@ -165,13 +200,12 @@ def test_measured_link_rates_agree_over_ranks_and_plan_as_the_number_passed(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, model", [("ddp", "gpt2"), ("fsdp2", "gpt2"), ("fsdp2", "phi3"), ("fsdp2", "neox"),
-                                            ("fsdp2", "falcon")])
-def test_fused_blocks_give_the_single_process_answer(tmp_path, backend, model):
+@pytest.mark.parametrize("backend, model", FUSED_CASES)
+def test_fused_blocks_give_the_single_process_answer(same_answers, backend, model):
     """Fused projections (GPT-2's Conv1D c_attn: FSDP2 shards its rows, the blocks are columns; Phi-3's
     GQA row blocks and gate | up; GPT-NeoX's per-head interleaving; Falcon's kv groups): the owner
     gathers the whole matrix, then orthogonalizes each block apart, as one process does."""
-    r = run_same_answer(tmp_path, backend, "--model", model, "--steps", "4")
+    r = same_answers[f"{backend}-{model}-fused"]
     assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
     assert r["ns_matrices"] > r["muon_tensors"]  # the blocks, not the fused matrices, were orthogonalized
     assert sum(r["ns_calls"]) == r["ns_matrices"] * r["steps"]
@@ -180,8 +214,8 @@ def test_fused_blocks_give_the_single_process_answer(tmp_path, backend, model):
 
 
 @pytest.mark.slow
-def test_bf16_exchange_halves_traffic(tmp_path):
-    r = run_same_answer(tmp_path, "fsdp2", "--comm_dtype", "bfloat16")
+def test_bf16_exchange_halves_traffic(same_answers):
+    r = same_answers["fsdp2-bf16-wire"]
     # bf16 on the wire rounds each update to 8 bits of mantissa; measured here: 2.0e-2 after 10 steps
     assert max(r["max_rel_diff"]) <= 3e-2
     for sent in r["bytes_sent"]:
@@ -304,9 +338,9 @@ def test_owner_plan_dtype_does_not_depend_on_this_cpu(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["new_group", "per_rank"])
-def test_ddp_exchange_runs_over_the_given_process_group(tmp_path, mode):
-    r = run_same_answer(tmp_path, "ddp", "--process_group", mode)
+@pytest.mark.parametrize("mode", PROCESS_GROUPS)
+def test_ddp_exchange_runs_over_the_given_process_group(same_answers, mode):
+    r = same_answers[f"ddp-{mode}"]
     assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
     if mode == "new_group":  # a group of all ranks: the default world's behaviour
         assert sum(r["ns_calls"]) == r["muon_tensors"] * r["steps"]

@@ -15,11 +15,33 @@ pytest.importorskip("deepspeed")
 STAGES = "0,1,2,3,3init"  # 3init: ZeRO-3 with the model built under zero.Init (p.shape is [0])
 
 
-def run_zero(tmp_path, nproc, *args):
+def run_zero(tmp_path, nproc, *args, timeout=600):
     out = tmp_path / "zero.json"
     torchrun(os.path.join(HERE, "dist", "zero_same_answer.py"), ["--out", str(out), *args], nproc,
-             timeout=600, env={"DS_ACCELERATOR": "cpu"})
+             timeout=timeout, env={"DS_ACCELERATOR": "cpu"})
     return json.loads(out.read_text())
+
+
+FUSED_CASES = [("gpt2", "2,3"), ("phi3", "3"), ("neox", "3"), ("falcon", "3")]
+
+# The 2-rank runs of this file, by name: one launch runs them in turn (DeepSpeed's start-up in each
+# rank is most of a launch). Each case's figures are by stage.
+ZERO_CASES = {
+    **{f"accumulation-{a}": ["--stages", STAGES, "--accumulation", str(a)] for a in (1, 4)},
+    **{f"{model}-fused": ["--stages", stages, "--model", model, "--steps", "4"] for model, stages in FUSED_CASES},
+    "mixtral": ["--stages", "2,3", "--model", "mixtral", "--steps", "3"],
+    "auto-rates": ["--stages", "2,3", "--steps", "3", "--exchange_flops_per_byte", "auto"],
+    "bf16": ["--stages", "0,1,2,3", "--dtype", "bf16"],
+    "bf16-fp32-accum": ["--stages", "1", "--dtype", "bf16_fp32_accum"],
+}
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory) -> dict[str, dict]:
+    """Each of ``ZERO_CASES``' figures (``zero_same_answer.py``'s JSON: by stage), by case name."""
+    folder = tmp_path_factory.mktemp("zero")
+    (folder / "cases.json").write_text(json.dumps(ZERO_CASES))
+    return run_zero(folder, 2, "--cases", str(folder / "cases.json"), timeout=1200)
 
 
 def check_fp32(results, bound=1e-5):
@@ -40,8 +62,8 @@ def check_fp32(results, bound=1e-5):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 4])
-def test_zero_stages_give_the_single_process_answer(tmp_path, accumulation):
-    results = run_zero(tmp_path, 2, "--stages", STAGES, "--accumulation", str(accumulation))
+def test_zero_stages_give_the_single_process_answer(zero_runs, accumulation):
+    results = zero_runs[f"accumulation-{accumulation}"]
     assert results["0"]["inner_optimizer"] == "Muon"  # stage 0 fp32: ours, unwrapped, real Muon
     assert results["1"]["inner_optimizer"] == "DeepSpeedZeroOptimizer"
     assert results["3"]["inner_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
@@ -49,8 +71,8 @@ def test_zero_stages_give_the_single_process_answer(tmp_path, accumulation):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, stages", [("gpt2", "2,3"), ("phi3", "3"), ("neox", "3"), ("falcon", "3")])
-def test_fused_blocks_under_zero(tmp_path, model, stages):
+@pytest.mark.parametrize("model, stages", FUSED_CASES)
+def test_fused_blocks_under_zero(zero_runs, model, stages):
     """Fused projections under ZeRO-2/3: the owner gathers the whole matrix, then orthogonalizes each
     block apart, exactly as one process does. (Not under zero.Init: transformers initialises these
     models otherwise there, so there is no same-values reference.)
@@ -64,7 +86,8 @@ def test_fused_blocks_under_zero(tmp_path, model, stages):
     sys.path.insert(0, os.path.join(HERE, "dist"))
     from same_answer import build
 
-    results = run_zero(tmp_path, 2, "--stages", stages, "--model", model, "--steps", "4")
+    results = zero_runs[f"{model}-fused"]
+    assert sorted(results) == sorted(stages.split(","))
     for stage, r in results.items():
         assert max(r["max_rel_diff"]) <= 5e-5, (stage, r)
         assert r["ns_matrices"] > r["muon_tensors"], (stage, r)
@@ -77,12 +100,12 @@ def test_fused_blocks_under_zero(tmp_path, model, stages):
 
 
 @pytest.mark.slow
-def test_stacked_experts_under_zero(tmp_path):
+def test_stacked_experts_under_zero(zero_runs):
     """Mixtral's stacked experts (transformers 5: [4, rows, cols] per layer, a param group of their own)
     under ZeRO-2/3: the exchange moves each expert as its own matrix, so under ZeRO-3 (each stack
     split in halves: experts 0-1 on rank 0, 2-3 on rank 1) no expert travels and only the plain
     matrices' halves do. A stack exchanged whole went to one owner: 6.2x these bytes."""
-    results = run_zero(tmp_path, 2, "--stages", "2,3", "--model", "mixtral", "--steps", "3")
+    results = zero_runs["mixtral"]
     if not results["3"]["stacked_groups"]:
         pytest.skip("this transformers builds Mixtral's experts as separate Linear layers (no stacked tensor)")
     for stage, r in results.items():
@@ -95,11 +118,11 @@ def test_stacked_experts_under_zero(tmp_path):
 
 
 @pytest.mark.slow
-def test_measured_link_rates_under_zero(tmp_path):
+def test_measured_link_rates_under_zero(zero_runs):
     """exchange_flops_per_byte="auto" inside DeepSpeed's step: measured once per stage's optimizer over
     DeepSpeed's data-parallel group, the same rates on both ranks, the single-process answer, each
     matrix once per step."""
-    results = run_zero(tmp_path, 2, "--stages", "2,3", "--steps", "3", "--exchange_flops_per_byte", "auto")
+    results = zero_runs["auto-rates"]
     for stage, r in results.items():
         assert max(r["max_rel_diff"]) <= 1e-5, (stage, r)
         assert sum(r["ns_calls"]) == r["ns_matrices"] * r["steps"], (stage, r)
@@ -115,10 +138,8 @@ def test_zero_three_ranks_uneven_partitions(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero_bf16(tmp_path):
-    results = run_zero(tmp_path, 2, "--stages", "0,1,2,3", "--dtype", "bf16")
-    results |= {"1-bf16-optimizer": r for r in run_zero(tmp_path, 2, "--stages", "1", "--dtype",
-                                                         "bf16_fp32_accum").values()}
+def test_zero_bf16(zero_runs):
+    results = zero_runs["bf16"] | {"1-bf16-optimizer": zero_runs["bf16-fp32-accum"]["1"]}
     assert results["0"]["inner_optimizer"] == "FP16_UnfusedOptimizer"
     assert results["1-bf16-optimizer"]["inner_optimizer"] == "BF16_Optimizer"
     for stage, r in results.items():

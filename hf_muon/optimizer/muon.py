@@ -769,7 +769,9 @@ class Muon(Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            mesh = next((id(p.device_mesh) for p in with_grad if is_dtensor(p)), None)
+            # the mesh by value: FSDP2 units sharded by separate calls (fully_shard's default, Accelerate
+            # without a parallelism config) hold equal meshes that are different objects
+            mesh = next((p.device_mesh for p in with_grad if is_dtensor(p)), None)
             family = (group["ns_steps"], plan_ns_dtype(group["ns_dtype"]), mesh)
             families.setdefault(family, []).append((group, with_grad, blocks))
         for family, members in families.items():

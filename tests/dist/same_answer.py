@@ -1,9 +1,13 @@
 """Run under ``torchrun --nproc_per_node W``: DDP or FSDP2 Muon must give the single-process answer.
 
     torchrun --nproc_per_node 2 tests/dist/same_answer.py --backend ddp --out result.json
+    torchrun --nproc_per_node 2 tests/dist/same_answer.py --cases cases.json --out results.json
 
 Every rank also trains the reference (one process's view: the whole batch, no exchange), so the
-comparison needs no files. Rank 0 writes the figures the pytest side asserts on.
+comparison needs no files. Rank 0 writes the figures the pytest side asserts on. ``--cases`` names a
+JSON object of case names and their arguments: each case runs in turn in the same ranks (a launch's
+start-up takes longer than a case) and the figures are written per case name. An argument
+``measured_by:NAME`` stands for the FLOPs per byte that an earlier case NAME measured (``auto``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import copy
 import datetime
 import json
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -102,9 +107,11 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
     return list(units.values())
 
 
-def wrap(backend: str, model: nn.Module, world: int) -> nn.Module:
+def wrap(backend: str, model: nn.Module, world: int, mesh_per_unit: bool = False) -> nn.Module:
     """``model`` under DDP, or sharded by FSDP2 (each of ``sharded_units`` then the root) over ``world``
-    ranks. Build the optimizer on ``model`` afterwards: under FSDP2 it must see the DTensors."""
+    ranks. Build the optimizer on ``model`` afterwards: under FSDP2 it must see the DTensors.
+    ``mesh_per_unit``: each unit gets a mesh of its own, equal to the others but another object (as
+    ``fully_shard``'s default mesh and Accelerate without a parallelism config give)."""
     if backend == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
@@ -112,7 +119,7 @@ def wrap(backend: str, model: nn.Module, world: int) -> nn.Module:
 
     mesh = init_device_mesh("cpu", (world,))
     for module in sharded_units(model):
-        fully_shard(module, mesh=mesh)
+        fully_shard(module, mesh=init_device_mesh("cpu", (world,)) if mesh_per_unit else mesh)
     return fully_shard(model, mesh=mesh)
 
 
@@ -183,7 +190,8 @@ def write_and_shut_down(rank: int, path: str, results: dict) -> None:
     shutdown_process_group(exit_code=0)  # gloo's teardown at interpreter exit aborts now and then
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """One case's arguments (``--cases`` holds several cases' lists of them)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["ddp", "fsdp2"], required=True)
     parser.add_argument("--steps", type=int, default=10)
@@ -196,14 +204,17 @@ def main() -> None:
     # "per_tensor": one param group per parameter (as a user's per-layer learning rates make), every
     # other matrix's with 4 Newton–Schulz steps
     parser.add_argument("--groups", choices=["model", "per_tensor"], default="model")
+    parser.add_argument("--mesh_per_unit", action="store_true", help="FSDP2: a mesh object per sharded unit")
     parser.add_argument("--exchange_flops_per_byte", type=flops_per_byte_arg, default=None)
     # float64: the model, its updates and Newton–Schulz, so the two runs differ by float64 round-off
     # alone (short runs compare to a bound that holds on every CPU, whatever its fp32 kernels)
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return parser
+
+
+def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """Train ``args``' model in one process and under ``args.backend``; the figures of both ranks."""
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     base = build(args.model).to(dtype)
@@ -231,7 +242,7 @@ def main() -> None:
         opt_kwargs["process_group"] = dist.new_group(list(range(world)))
     elif args.process_group == "per_rank":  # every rank creates every group, in the same order
         opt_kwargs["process_group"] = [dist.new_group([r]) for r in range(world)][rank]
-    wrapped = wrap(args.backend, model, world)
+    wrapped = wrap(args.backend, model, world, args.mesh_per_unit)
     opt = Muon(params_of(model), comm_dtype=comm_dtype, exchange_flops_per_byte=args.exchange_flops_per_byte,
                **opt_kwargs)
     plans = {"n": 0}
@@ -242,7 +253,10 @@ def main() -> None:
         return real_make_exchange(*a, **k)
 
     muon_module.make_exchange = counting_make_exchange
-    train(wrapped, opt, batches, args.accumulation, rank, world)
+    try:
+        train(wrapped, opt, batches, args.accumulation, rank, world)
+    finally:
+        muon_module.make_exchange = real_make_exchange
 
     worst = 0.0
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -263,7 +277,7 @@ def main() -> None:
                           [block_shapes(tuple(p.shape), cuts[id(p)][1]) if id(p) in cuts else None
                            for p in muon_params])
     load = ns_load(layouts, assign_owners(layouts, world, 5), world, 5)
-    write_and_shut_down(rank, args.out, {
+    return {
         "world": world, "steps": args.steps, "muon_tensors": len(muon_params), "muon_numel": muon_numel,
         "ns_matrices": matrices_per_step(opt),
         "max_rel_diff": [g[0].item() for g in gathered], "ns_calls": [g[1].item() for g in gathered],
@@ -271,9 +285,37 @@ def main() -> None:
         "ns_flops_per_rank": load, "muon_groups": sum(g["algorithm"] == "muon" for g in opt.param_groups),
         "stacked_groups": sum(g["algorithm"] == "muon" and g["stacked"] for g in opt.param_groups),
         "ns_flops_run": [g[4].item() for g in gathered], "exchange_plans": plans["n"],
-        "link_rates": [g[5:].tolist() for g in gathered],
-    })
+        "link_rates": [g[5:].tolist() for g in gathered], "exchange_flops_per_byte": args.exchange_flops_per_byte,
+    }
+
+
+def run_cases(parser: argparse.ArgumentParser, run_case) -> None:
+    """The ranks' main: the case on the command line, or with ``--cases FILE --out F`` each case of
+    FILE (``{name: [arguments]}``) in turn in the same ranks; ``run_case(args, rank, world)`` gives a
+    case's figures and rank 0 writes them (per case name)."""
+    if "--cases" in sys.argv[1:]:
+        many = argparse.ArgumentParser()
+        many.add_argument("--cases", required=True, help="a JSON file: {case name: [its arguments]}")
+        many.add_argument("--out", required=True)
+        top = many.parse_args()
+        with open(top.cases) as f:
+            cases = json.load(f)
+    else:
+        top, cases = parser.parse_args(), None
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cases is None:
+        results = run_case(top, rank, world)
+    else:
+        results = {}
+        for name, argv in cases.items():
+            argv = [repr(results[a.removeprefix("measured_by:")]["link_rates"][0][3]) if a.startswith("measured_by:")
+                    else a for a in argv]
+            if rank == 0:
+                print(f"case {name!r}", flush=True)  # the case a failure's traceback belongs to
+            results[name] = run_case(parser.parse_args([*argv, "--out", top.out]), rank, world)
+    write_and_shut_down(rank, top.out, results)
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(arguments(), run_case)

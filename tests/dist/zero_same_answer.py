@@ -5,21 +5,21 @@ must give the single-process answer.
         --stages 0,1,2,3,3init --accumulation 1 --out result.json
 
 Runs every requested ZeRO stage in turn in the same ranks (DeepSpeed's start-up is the slow part)
-and writes, per stage, the figures the pytest side asserts on.
+and writes, per stage, the figures the pytest side asserts on. ``--cases cases.json`` runs several
+cases' arguments in turn, as ``same_answer.py`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 
 import torch
 import torch.distributed as dist
 
 from hf_muon import Muon
 from same_answer import (MODELS, build, counting_newton_schulz, flops_per_byte_arg, link_rate_figures, loss_fn,
-                         matrices_per_step, reference_accumulation, train, write_and_shut_down)
+                         matrices_per_step, reference_accumulation, run_cases, train)
 
 BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation in (1, 4)
 # fp32 Newton–Schulz (the dtype policy picks bf16 on CPUs with bf16 matmul): then ZeRO and the
@@ -77,7 +77,7 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
             "stacked_groups": sum(g["algorithm"] == "muon" and g["stacked"] for g in opt.param_groups)}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--steps", type=int, default=10)
@@ -87,9 +87,11 @@ def main() -> None:
     parser.add_argument("--sub_group_size", type=int, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     parser.add_argument("--exchange_flops_per_byte", type=flops_per_byte_arg, default=None)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return parser
+
+
+def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """The single-process reference, then each of ``args.stages``: the figures of both ranks by stage."""
     torch.manual_seed(0)
     base = build(args.model)
     batches = [torch.randint(0, 64, (BATCH, 16)) for _ in range(args.steps)]
@@ -114,8 +116,8 @@ def main() -> None:
             "bytes_received": [g[3].item() for g in gathered], "ns_flops": [g[4].item() for g in gathered],
             "exchanges": [g[5].item() for g in gathered], "link_rates": [g[6:].tolist() for g in gathered],
         }
-    write_and_shut_down(rank, args.out, results)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(arguments(), run_case)
