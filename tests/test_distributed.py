@@ -109,8 +109,8 @@ def test_param_groups_share_one_exchange(same_answers, backend):
     put every group's busiest owner on the step's critical path), so two exchanges, each planned
     at the first step and reused; each matrix is orthogonalized once, with its group's settings, and
     the answer is the single process's. FSDP2 units sharded over meshes of their own (equal, but
-    different objects: fully_shard's default, Accelerate's without a parallelism config) share the
-    exchange too."""
+    different objects, as fully_shard calls without mesh= give) share the exchange too: keyed by the
+    mesh object, each group became an exchange of its own, all owned by rank 0."""
     r = same_answers[f"{backend}-per-tensor-groups"]
     assert max(r["max_rel_diff"]) <= SAME_ANSWER_BOUND["float32"]
     assert r["muon_groups"] >= 5

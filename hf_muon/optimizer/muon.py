@@ -769,8 +769,8 @@ class Muon(Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            # the mesh by value: FSDP2 units sharded by separate calls (fully_shard's default, Accelerate
-            # without a parallelism config) hold equal meshes that are different objects
+            # the mesh by value: each fully_shard call without mesh= makes a new mesh object, so units
+            # sharded that way hold equal meshes that are different objects: one family
             mesh = next((p.device_mesh for p in with_grad if is_dtensor(p)), None)
             family = (group["ns_steps"], plan_ns_dtype(group["ns_dtype"]), mesh)
             families.setdefault(family, []).append((group, with_grad, blocks))

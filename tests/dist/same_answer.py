@@ -111,7 +111,7 @@ def wrap(backend: str, model: nn.Module, world: int, mesh_per_unit: bool = False
     """``model`` under DDP, or sharded by FSDP2 (each of ``sharded_units`` then the root) over ``world``
     ranks. Build the optimizer on ``model`` afterwards: under FSDP2 it must see the DTensors.
     ``mesh_per_unit``: each unit gets a mesh of its own, equal to the others but another object (as
-    ``fully_shard``'s default mesh and Accelerate without a parallelism config give)."""
+    ``fully_shard`` calls without ``mesh=`` give)."""
     if backend == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.device_mesh import init_device_mesh
