@@ -318,11 +318,31 @@ def test_experts_held_whole_by_one_rank_move_only_when_asked_with_the_same_answe
 # 2 ranks, gloo: overlapped == synchronous, bit for bit
 
 
-def run_overlap_script(tmp_path, *args, deepspeed=False):
+def run_overlap_cases(tmp_path, cases: dict[str, list[str]], deepspeed=False) -> dict[str, dict]:
+    """``overlap_same_bits.py``'s figures for each case (its arguments), by case name: one launch."""
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
     out = tmp_path / "overlap.json"
-    torchrun(os.path.join(HERE, "dist", "overlap_same_bits.py"), ["--out", str(out), *args], 2, timeout=600,
-             env={"DS_ACCELERATOR": "cpu"} if deepspeed else None)
+    torchrun(os.path.join(HERE, "dist", "overlap_same_bits.py"), ["--cases", str(tmp_path / "cases.json"),
+             "--out", str(out)], 2, timeout=900, env={"DS_ACCELERATOR": "cpu"} if deepspeed else None)
     return json.loads(out.read_text())
+
+
+TORCH_MODELS = ["block", "gpt2"]
+ZERO_CASES = [("block", "zero1,zero2,zero3"), ("gpt2", "zero3")]
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory) -> dict[str, dict]:
+    return run_overlap_cases(tmp_path_factory.mktemp("overlap_torch"),
+                             {model: ["--backends", "ddp,fsdp2", "--model", model] for model in TORCH_MODELS})
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory) -> dict[str, dict]:
+    pytest.importorskip("deepspeed")
+    return run_overlap_cases(tmp_path_factory.mktemp("overlap_zero"),
+                             {model: ["--backends", stages, "--model", model] for model, stages in ZERO_CASES},
+                             deepspeed=True)
 
 
 def check_same_bits(results):
@@ -336,20 +356,21 @@ def check_same_bits(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["block", "gpt2"])
-def test_overlapped_exchange_matches_synchronous_under_ddp_and_fsdp2(tmp_path, model):
-    results = run_overlap_script(tmp_path, "--backends", "ddp,fsdp2", "--model", model)
+@pytest.mark.parametrize("model", TORCH_MODELS)
+def test_overlapped_exchange_matches_synchronous_under_ddp_and_fsdp2(torch_runs, model):
+    results = torch_runs[model]
+    assert sorted(results) == ["ddp/bf16", "ddp/fp32", "fsdp2/bf16", "fsdp2/fp32"]
     check_same_bits(results)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, stages", [("block", "zero1,zero2,zero3"), ("gpt2", "zero3")])
-def test_overlapped_exchange_matches_synchronous_under_zero(tmp_path, model, stages):
+@pytest.mark.parametrize("model, stages", ZERO_CASES)
+def test_overlapped_exchange_matches_synchronous_under_zero(zero_runs, model, stages):
     """ZeRO-1/2 split the block model's flat partition inside matrices (some straddle both ranks, others
     lie wholly on one: the other rank holds nothing of them); GPT-2's fused blocks under ZeRO-3. (Under
     ZeRO-1/2 no GPT-2 matrix straddles the two partitions here: nothing would travel.)"""
-    pytest.importorskip("deepspeed")
-    results = run_overlap_script(tmp_path, "--backends", stages, "--model", model, deepspeed=True)
+    results = zero_runs[model]
+    assert sorted(results) == sorted(f"{stage}/{wire}" for stage in stages.split(",") for wire in ("bf16", "fp32"))
     check_same_bits(results)
     if model == "block":
         assert all(r["some_rank_holds_nothing"] for case, r in results.items() if not case.startswith("zero3"))

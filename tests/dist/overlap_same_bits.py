@@ -9,14 +9,14 @@ For each backend and wire dtype (fp32, bf16), trains the same model twice from t
 buckets, and records per rank whether the trained parameters (this rank's pieces) are identical,
 whether the exchange counted the same bytes, and the bucket plans both modes ran.
 ``--fail_on_rank R``: Newton–Schulz raises on rank R in the middle of the first step (the job must
-end, not hang).
+end, not hang). ``--cases cases.json`` runs several cases' arguments in turn, as ``same_answer.py``
+does.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 
 import torch
 import torch.distributed as dist
@@ -25,23 +25,30 @@ from torch import nn
 from hf_muon import Muon
 from hf_muon.distributed import plan as owner_plan
 from hf_muon.distributed import sharding
-from same_answer import MODELS, build, loss_fn, train, wrap, write_and_shut_down
+from same_answer import MODELS, build, loss_fn, run_cases, train, wrap
 from zero_same_answer import BATCH, zero_config
 
 STEPS = 3
 OPTIMIZER = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
 
-def recording_plans(plans: list):
-    """Wrap the bucket planner the exchange uses so the plans that really ran are seen here: in
-    ``plan_exchange`` (the first plan) and in ``exchange_over`` (another wire width's)."""
+PLANS: list = []  # (buckets, whether a rank holds nothing of some tensor) of each plan, once recording
+
+
+def record_plans() -> None:
+    """Wrap the bucket planner the exchange uses (once per process) so the plans that really ran are
+    seen in ``PLANS``: in ``plan_exchange`` (the first plan) and in ``exchange_over`` (another wire
+    width's)."""
     real = owner_plan.plan_buckets
+    if getattr(real, "records", False):
+        return
 
     def plan(layouts, *args):
         buckets = real(layouts, *args)
-        plans.append((buckets, any(not layout.holds(r) for layout in layouts for r in range(len(layout.ranges)))))
+        PLANS.append((buckets, any(not layout.holds(r) for layout in layouts for r in range(len(layout.ranges)))))
         return buckets
 
+    plan.records = True
     owner_plan.plan_buckets = sharding.plan_buckets = plan
 
 
@@ -81,20 +88,22 @@ def train_zero(stage: int, base: nn.Module, batches, rank: int, world: int, **mu
         return [p.detach().clone() for p in params], opt
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backends", default="ddp,fsdp2")
     parser.add_argument("--model", choices=MODELS, default="block")
     parser.add_argument("--fail_on_rank", type=int, default=None)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # fail, never hang
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return parser
+
+
+def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
+    """Each of ``args.backends`` with fp32 and bf16 on the wire: the figures of both ranks."""
     torch.manual_seed(0)
     base = build(args.model)
     batches = [torch.randint(0, 64, (BATCH, 16)) for _ in range(STEPS)]
-    plans: list = []
-    recording_plans(plans)
+    record_plans()
+    plans = PLANS
     results = {}
     for backend in args.backends.split(","):
         for comm_dtype in (None, torch.bfloat16):
@@ -122,8 +131,8 @@ def main() -> None:
                 "same_plan": [b for b, _ in ran[True]] == [b for b, _ in ran[False]],
                 "some_rank_holds_nothing": any(nothing for _, nothing in ran[True]),
             }
-    write_and_shut_down(rank, args.out, results)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(arguments(), run_case)
