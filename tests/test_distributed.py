@@ -51,8 +51,9 @@ def rate_case(backend: str, model: str, dtype: str) -> list[str]:
 # Every same-answer run of this file, by name: one 2-rank launch runs them in turn (a launch's
 # start-up, about 7 s here, is longer than most cases). The tests below read their cases' figures.
 SAME_ANSWER_CASES = {
-    # first: once a process has sharded a model, torch hands later DTensors an equal mesh made
-    # before, so only a fresh process shows units holding equal meshes that are different objects
+    # first: in a process that has sharded a model before, later models' DTensors were seen holding
+    # equal mesh objects made earlier, so a fresh process shows best units holding equal meshes that
+    # are different objects (with the family keyed by the object, this case fails first: [28, 0] NS calls)
     "fsdp2-mesh-per-unit-per-tensor-groups": ["--backend", "fsdp2", "--groups", "per_tensor", "--steps", "4",
                                               "--mesh_per_unit"],
     **{f"{b}-accumulation-{a}": ["--backend", b, "--accumulation", str(a)] for b in BACKENDS for a in (1, 4)},
