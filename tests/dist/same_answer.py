@@ -292,7 +292,8 @@ def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
 def run_cases(parser: argparse.ArgumentParser, run_case) -> None:
     """The ranks' main: the case on the command line, or with ``--cases FILE --out F`` each case of
     FILE (``{name: [arguments]}``) in turn in the same ranks; ``run_case(args, rank, world)`` gives a
-    case's figures and rank 0 writes them (per case name)."""
+    case's figures and rank 0 writes them (per case name). An argument ``measured_by:NAME`` becomes
+    the FLOPs per byte in case NAME's ``link_rates`` figures (``same_answer.py``'s)."""
     if "--cases" in sys.argv[1:]:
         many = argparse.ArgumentParser()
         many.add_argument("--cases", required=True, help="a JSON file: {case name: [its arguments]}")
