@@ -74,15 +74,20 @@ SAME_ANSWER_CASES = {
 }
 
 
+def launch_cases(script, folder, cases: dict[str, list[str]], nproc=2, timeout=900, env=None) -> dict[str, dict]:
+    """``tests/dist/<script> --cases``: every case (name: its arguments) in turn in one launch of
+    ``nproc`` ranks; each case's figures by name."""
+    (folder / "cases.json").write_text(json.dumps(cases))
+    out = folder / "results.json"
+    torchrun(os.path.join(HERE, "dist", script), ["--cases", str(folder / "cases.json"), "--out", str(out)], nproc,
+             timeout, env)
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def same_answers(tmp_path_factory) -> dict[str, dict]:
     """Each of ``SAME_ANSWER_CASES``' figures (``same_answer.py``'s JSON), by case name."""
-    folder = tmp_path_factory.mktemp("same_answer")
-    (folder / "cases.json").write_text(json.dumps(SAME_ANSWER_CASES))
-    out = folder / "results.json"
-    torchrun(os.path.join(HERE, "dist", "same_answer.py"), ["--cases", str(folder / "cases.json"), "--out", str(out)],
-             timeout=900)
-    return json.loads(out.read_text())
+    return launch_cases("same_answer.py", tmp_path_factory.mktemp("same_answer"), SAME_ANSWER_CASES)
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ exchange on 2 ranks (CPU, gloo) under DDP, FSDP2 and DeepSpeed ZeRO-1/2/3."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,7 @@ from hf_muon.distributed import exchange, sharding
 from hf_muon.distributed.layout import TensorLayout, exchanged_matrices, flat_sharded, replicated, row_sharded
 from hf_muon.distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 from hf_muon.kernels import orthogonalize
-from test_distributed import HERE, torchrun
+from test_distributed import HERE, launch_cases
 
 # ---------------------------------------------------------------------------------------------------------------
 # The bucket plan
@@ -318,31 +317,22 @@ def test_experts_held_whole_by_one_rank_move_only_when_asked_with_the_same_answe
 # 2 ranks, gloo: overlapped == synchronous, bit for bit
 
 
-def run_overlap_cases(tmp_path, cases: dict[str, list[str]], deepspeed=False) -> dict[str, dict]:
-    """``overlap_same_bits.py``'s figures for each case (its arguments), by case name: one launch."""
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    out = tmp_path / "overlap.json"
-    torchrun(os.path.join(HERE, "dist", "overlap_same_bits.py"), ["--cases", str(tmp_path / "cases.json"),
-             "--out", str(out)], 2, timeout=900, env={"DS_ACCELERATOR": "cpu"} if deepspeed else None)
-    return json.loads(out.read_text())
-
-
 TORCH_MODELS = ["block", "gpt2"]
 ZERO_CASES = [("block", "zero1,zero2,zero3"), ("gpt2", "zero3")]
 
 
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory) -> dict[str, dict]:
-    return run_overlap_cases(tmp_path_factory.mktemp("overlap_torch"),
-                             {model: ["--backends", "ddp,fsdp2", "--model", model] for model in TORCH_MODELS})
+    return launch_cases("overlap_same_bits.py", tmp_path_factory.mktemp("overlap_torch"),
+                        {model: ["--backends", "ddp,fsdp2", "--model", model] for model in TORCH_MODELS})
 
 
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("deepspeed")
-    return run_overlap_cases(tmp_path_factory.mktemp("overlap_zero"),
-                             {model: ["--backends", stages, "--model", model] for model, stages in ZERO_CASES},
-                             deepspeed=True)
+    return launch_cases("overlap_same_bits.py", tmp_path_factory.mktemp("overlap_zero"),
+                        {model: ["--backends", stages, "--model", model] for model, stages in ZERO_CASES},
+                        env={"DS_ACCELERATOR": "cpu"})
 
 
 def check_same_bits(results):

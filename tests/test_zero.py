@@ -8,17 +8,17 @@ import sys
 import pytest
 import torch
 
-from test_distributed import HERE, torchrun
+from test_distributed import HERE, launch_cases, torchrun
 
 pytest.importorskip("deepspeed")
 
 STAGES = "0,1,2,3,3init"  # 3init: ZeRO-3 with the model built under zero.Init (p.shape is [0])
 
 
-def run_zero(tmp_path, nproc, *args, timeout=600):
+def run_zero(tmp_path, nproc, *args):
     out = tmp_path / "zero.json"
     torchrun(os.path.join(HERE, "dist", "zero_same_answer.py"), ["--out", str(out), *args], nproc,
-             timeout=timeout, env={"DS_ACCELERATOR": "cpu"})
+             timeout=600, env={"DS_ACCELERATOR": "cpu"})
     return json.loads(out.read_text())
 
 
@@ -39,9 +39,8 @@ ZERO_CASES = {
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory) -> dict[str, dict]:
     """Each of ``ZERO_CASES``' figures (``zero_same_answer.py``'s JSON: by stage), by case name."""
-    folder = tmp_path_factory.mktemp("zero")
-    (folder / "cases.json").write_text(json.dumps(ZERO_CASES))
-    return run_zero(folder, 2, "--cases", str(folder / "cases.json"), timeout=1200)
+    return launch_cases("zero_same_answer.py", tmp_path_factory.mktemp("zero"), ZERO_CASES, timeout=1200,
+                        env={"DS_ACCELERATOR": "cpu"})
 
 
 def check_fp32(results, bound=1e-5):

@@ -103,7 +103,6 @@ def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
     base = build(args.model)
     batches = [torch.randint(0, 64, (BATCH, 16)) for _ in range(STEPS)]
     record_plans()
-    plans = PLANS
     results = {}
     for backend in args.backends.split(","):
         for comm_dtype in (None, torch.bfloat16):
@@ -114,12 +113,12 @@ def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
                 muon["orthogonalize_fn"] = failing_newton_schulz(rank, args.fail_on_rank)
             trained, stats, ran = {}, {}, {}
             for overlap in (True, False):
-                del plans[:]
+                del PLANS[:]
                 run = train_zero if backend.startswith("zero") else train_torch
                 what = int(backend[4:]) if backend.startswith("zero") else backend
                 trained[overlap], opt = run(what, base, batches, rank, world, overlap_exchange=overlap, **muon)
                 stats[overlap] = (opt.exchange_stats.bytes_sent, opt.exchange_stats.bytes_received)
-                ran[overlap] = list(plans)
+                ran[overlap] = list(PLANS)
             identical = all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))
             figures = torch.tensor([identical, stats[True] == stats[False], stats[True][0]], dtype=torch.float64)
             gathered = [torch.zeros_like(figures) for _ in range(world)]
