@@ -33,6 +33,8 @@ ZERO_CASES = {
     "auto-rates": ["--stages", "2,3", "--steps", "3", "--exchange_flops_per_byte", "auto"],
     "bf16": ["--stages", "0,1,2,3", "--dtype", "bf16"],
     "bf16-fp32-accum": ["--stages", "1", "--dtype", "bf16_fp32_accum"],
+    # last: a refusal leaves its DeepSpeed engines behind
+    "round-robin": ["--stages", "1,2", "--steps", "3", "--round_robin"],
 }
 
 
@@ -146,6 +148,35 @@ def test_zero_bf16(zero_runs):
         # bf16 weights against the fp32 reference after 10 steps; one rank (W=1) measures the same
         # (0.16 at stage 0, 0.063 under ZeRO), so these bounds are bf16 rounding, not the exchange
         assert max(r["max_rel_diff"]) <= (0.25 if stage == "0" else 0.1), (stage, r["max_rel_diff"])
+
+
+@pytest.mark.slow
+def test_round_robin_gradients_never_train_silently_wrong(zero_runs):
+    """DeepSpeed 0.19's ZeRO-1/2 with "round_robin_gradients" and no alignment padding (the block model's
+    sizes need none) reorders the flat buffer but links each parameter's ``_hp_mapping`` in the original
+    order: read as it stands, Muon orthogonalized slices of other matrices (0.34 from one process after
+    3 steps, with no error). Refused on every rank with what to change, or, with a DeepSpeed that
+    links them right, the single-process answer."""
+    for stage, r in zero_runs["round-robin"].items():
+        if "refused" in r:
+            assert '"round_robin_gradients": false' in r["refused"], (stage, r)
+        else:
+            check_fp32({stage: r})
+
+
+def test_a_linkage_that_disagrees_with_the_data_is_refused():
+    from hf_muon.integrations.deepspeed_zero import _NO_SHIFT, _check_linkage
+
+    def rows(*shifts):
+        return torch.tensor([(0, 1, s) for s in shifts], dtype=torch.int64)
+
+    # every parameter the flat buffer's offset (7) apart from where its mapping says, on both ranks;
+    # a parameter without a fragment here, or data that are no view of the buffer, is not compared
+    _check_linkage([rows(7, _NO_SHIFT, 7), rows(_NO_SHIFT, 7, 7)])
+    _check_linkage([rows(_NO_SHIFT, _NO_SHIFT), rows(_NO_SHIFT, _NO_SHIFT)])
+    # one rank alone agrees with itself; across the ranks a parameter sits elsewhere than its mapping says
+    with pytest.raises(RuntimeError, match='"round_robin_gradients": false'):
+        _check_linkage([rows(0, _NO_SHIFT, _NO_SHIFT), rows(_NO_SHIFT, 13824, 13824)])
 
 
 def test_fragments_that_do_not_tile_a_matrix_are_refused():

@@ -7,7 +7,9 @@ this rank's partition. Both layouts are read from DeepSpeed's own bookkeeping, n
 
 * ZeRO-1/2 and ``BF16_Optimizer``: ``link_hp_params`` gives every model parameter an
   ``_hp_mapping`` (its fragment's offset in the flat partition and in the parameter) and its
-  ``_dp_group``. The fragments of the other ranks are learned once with one small all-gather.
+  ``_dp_group``. The fragments of the other ranks are learned once with one small all-gather, with
+  a check that each mapping agrees with where the parameter's data sit in the flat buffer (DeepSpeed
+  0.19 gets it wrong under ``round_robin_gradients``: refused).
 * ZeRO-3: parameters carry ``_z3_optimizer``; its ``fp16_groups[s]`` lists the parameters of the
   sub-group whose flat partition is ``fp32_partitioned_groups_flat[s]``, ``grad_position`` gives
   each one's offset there, and ``partition_numel()`` the per-rank split of its elements.
@@ -101,12 +103,14 @@ def _bind_stage1_2(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatP
         raise RuntimeError("hf_muon.Muon: DeepSpeed did not link every Muon matrix of a group to one data-parallel group")
     group = dp_groups[0]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    spans, local_ranges = [], []
+    spans, local_ranges, shifts = [], [], []
+    views = len({p.data.untyped_storage().data_ptr() for p in matrices}) == 1
     for p in matrices:
         mapping = _ds(p, "_hp_mapping")
         if mapping is None:
             spans.append((0, 0))
             local_ranges.append((0, 0))
+            shifts.append(_NO_SHIFT)
             continue
         if not _same_storage(_ds(mapping, "hp_fragment"), flat):
             raise RuntimeError(
@@ -115,18 +119,49 @@ def _bind_stage1_2(flat: Tensor, matrices: list[Tensor], stacked: bool) -> FlatP
             )
         lp_address = _ds(mapping, "lp_fragment_address")
         start, numel = _ds(lp_address, "start"), _ds(lp_address, "numel")
-        spans.append((_ds(_ds(mapping, "hp_fragment_address"), "start"), numel))
+        hp_start = _ds(_ds(mapping, "hp_fragment_address"), "start")
+        spans.append((hp_start, numel))
         local_ranges.append((start, start + numel))
+        # where the mapping puts the parameter's first element in the group's flat buffer, against
+        # where its data (a view of that buffer) sits: a constant apart for every parameter
+        said = rank * flat.numel() + hp_start - start
+        shifts.append(p.data.storage_offset() - said if views else _NO_SHIFT)
     # Each rank knows only its own fragments: learn the others' once (a few integers per matrix).
-    mine = torch.tensor(local_ranges, dtype=torch.int64).reshape(-1, 2)
+    mine = torch.tensor([(*r, s) for r, s in zip(local_ranges, shifts)], dtype=torch.int64).reshape(-1, 3)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
+    _check_linkage(everyone)
     layouts = []
     for i, p in enumerate(matrices):
         shape = _shape(p)
         ranges = tuple((int(everyone[r][i, 0]), int(everyone[r][i, 1])) for r in range(world))
         layouts.append(_checked(TensorLayout(shape, stacked, ranges)))
     return FlatPartition(tuple(spans), tuple(layouts), group, rank, world, NAME, tuple(matrices))
+
+
+# a parameter without a fragment on this rank, or whose data is not a view of the flat buffer
+_NO_SHIFT = -(2**62)
+
+ROUND_ROBIN_MESSAGE = (
+    "hf_muon.Muon: DeepSpeed's ZeRO-1/2 linkage (_hp_mapping) puts parameters where they are not in "
+    "the flat partition: the parameters' data sit in one order, the mapping counts them in another. "
+    "DeepSpeed {version} does this with \"round_robin_gradients\": true when no parameter needs alignment "
+    "padding (it reorders the flat buffer, then links the parameters in their original order), and "
+    "Muon would orthogonalize slices of other matrices. DeepSpeed's own safe_get_full_fp32_param, "
+    "safe_set_full_fp32_param and universal checkpoints read the same mapping. Set "
+    "\"round_robin_gradients\": false in the \"zero_optimization\" section of the DeepSpeed config."
+)
+
+
+def _check_linkage(everyone: list[Tensor]) -> None:
+    """Refuse, on every rank alike, a ZeRO-1/2 linkage that disagrees with where the data sit.
+
+    ``everyone[r]`` holds rank r's ``(start, end, shift)`` per matrix, ``shift`` being where the
+    parameter's data sit in the flat buffer minus where ``_hp_mapping`` says they start (the flat
+    buffer's own offset when they agree: one value for every parameter on every rank)."""
+    shifts = {int(s) for rows in everyone for s in rows[:, 2].tolist() if s != _NO_SHIFT}
+    if len(shifts) > 1:
+        raise RuntimeError(ROUND_ROBIN_MESSAGE.format(version=getattr(sys.modules.get("deepspeed"), "__version__", "")))
 
 
 def _bind_stage3(flat: Tensor, z3, stacked: bool) -> FlatPartition:

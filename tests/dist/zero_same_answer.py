@@ -27,13 +27,15 @@ BATCH = 24  # divisible by W * accumulation for W in (1, 2, 3) and accumulation 
 OPTIMIZER = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32)
 
 
-def zero_config(stage: int, world: int, accumulation: int, dtype: str, sub_group_size: int | None = None) -> dict:
+def zero_config(stage: int, world: int, accumulation: int, dtype: str, sub_group_size: int | None = None,
+                round_robin: bool = False) -> dict:
     return {
         "train_micro_batch_size_per_gpu": BATCH // (world * accumulation),
         "gradient_accumulation_steps": accumulation,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
                               "reduce_bucket_size": 5000, "allgather_bucket_size": 5000,
-                              **({"sub_group_size": sub_group_size} if sub_group_size else {})},
+                              **({"sub_group_size": sub_group_size} if sub_group_size else {}),
+                              **({"round_robin_gradients": True} if round_robin else {})},
         "bf16": {"enabled": dtype.startswith("bf16")},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
         # fp32 accumulation of bf16 gradients makes DeepSpeed use its BF16_Optimizer at stages 0-1
@@ -45,11 +47,11 @@ def zero_config(stage: int, world: int, accumulation: int, dtype: str, sub_group
 
 def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: int, world: int,
               model_name: str = "block", sub_group_size: int | None = None,
-              exchange_flops_per_byte: float | str | None = None) -> dict:
+              exchange_flops_per_byte: float | str | None = None, round_robin: bool = False) -> dict:
     """``stage`` is 0-3, or "3init": ZeRO-3 with the model built under ``zero.Init`` (shapes hidden)."""
     import deepspeed
 
-    config = zero_config(int(stage[0]), world, accumulation, dtype, sub_group_size)
+    config = zero_config(int(stage[0]), world, accumulation, dtype, sub_group_size, round_robin)
     if stage == "3init":
         torch.manual_seed(0)  # the same initial values as ``base``
         with deepspeed.zero.Init(config_dict_or_path=config):
@@ -86,6 +88,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--model", choices=MODELS, default="block")
     parser.add_argument("--sub_group_size", type=int, help="ZeRO-3's sub_group_size (default: DeepSpeed's)")
     parser.add_argument("--exchange_flops_per_byte", type=flops_per_byte_arg, default=None)
+    parser.add_argument("--round_robin", action="store_true",
+                        help="round_robin_gradients: hf_muon refuses it where DeepSpeed links parameters wrongly; "
+                             "a refusal is recorded as the stage's figures")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -101,8 +106,14 @@ def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
 
     results = {}
     for stage in args.stages.split(","):
-        r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model, args.sub_group_size,
-                      args.exchange_flops_per_byte)
+        try:
+            r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model,
+                          args.sub_group_size, args.exchange_flops_per_byte, args.round_robin)
+        except RuntimeError as error:  # every rank refuses at the same point (after the binding's all-gather)
+            if not args.round_robin:
+                raise
+            results[stage] = {"refused": str(error)}
+            continue
         worst = max(((t - q).abs().max() / q.abs().max()).item() for t, q in zip(r.pop("trained"), reference.parameters()))
         figures = torch.tensor([worst, r["ns_calls"], r["bytes_sent"], r["bytes_received"], r["ns_flops"],
                                 r["exchanges"], *r["link_rates"]], dtype=torch.float64)
