@@ -354,3 +354,30 @@ def test_ddp_exchange_runs_over_the_given_process_group(same_answers, mode):
     else:  # each rank its own group: nothing exchanged, every rank orthogonalizes every matrix
         assert r["ns_calls"] == [r["muon_tensors"] * r["steps"]] * r["world"]
         assert r["bytes_sent"] == r["bytes_received"] == [0] * r["world"]
+
+
+@pytest.fixture(scope="module")
+def exchange_edges(tmp_path_factory) -> dict[str, dict]:
+    """``exchange_edges.py``'s figures (one launch for its three checks)."""
+    out = tmp_path_factory.mktemp("edges") / "edges.json"
+    torchrun(os.path.join(HERE, "dist", "exchange_edges.py"), ["--out", str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_distributed_false_on_fsdp2_shards_is_refused(exchange_edges):
+    # it ran Newton–Schulz on each rank's rows: updates the size of the update itself off, silently
+    assert "Leave distributed=True" in exchange_edges["distributed_false_fsdp2"]["refused"]
+
+
+@pytest.mark.slow
+def test_a_plain_tensor_beside_fsdp2_trains_to_the_single_process_answer(exchange_edges):
+    # a learned scalar in its own AdamW group used to stop the first step ("mixes DTensor and plain tensors")
+    assert exchange_edges["plain_beside_fsdp2"]["max_diff"] <= SAME_ANSWER_BOUND["float64"]
+
+
+@pytest.mark.slow
+def test_replicas_of_bf16_matrices_stay_equal_bit_for_bit(exchange_edges):
+    r = exchange_edges["replicas_bf16"]
+    assert r["replicas_max_diff"] == 0  # was 1 bf16 ulp (9.8e-4) after 3 steps
+    assert r["fp32_max_rel_diff"] <= SAME_ANSWER_BOUND["float32"]  # was 5.5e-5: fp32 updates went in bf16

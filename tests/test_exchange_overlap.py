@@ -188,6 +188,26 @@ def test_overlapped_pipeline_gives_the_synchronous_answer_bit_for_bit(fake, comm
                 assert torch.equal(overlapped[r][i], expected[i][slice(*layout.ranges[r])]), (r, i)
 
 
+@pytest.mark.parametrize("dtypes", [("bf16", "fp32", "fp32", "bf16"), ("bf16",) * 4])
+def test_every_rank_applies_the_bits_that_came_over_the_wire(fake, dtypes):
+    """bf16 updates orthogonalized in float32: the owner used to keep its float32 result while the other
+    ranks got it rounded to the wire's bf16, so DDP replicas drifted apart (1 bf16 ulp after 3 steps),
+    and a first bf16 tensor put every fp32 update of the exchange on the wire in bf16. Now the wire
+    carries the widest of the pieces' dtypes and the owner's result goes through it too."""
+    torch.manual_seed(0)
+    width = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    layouts = [replicated((24, 24), False, 2), replicated((32, 16), False, 2), row_sharded((16, 48), False, 2),
+               replicated((16, 24), False, 2)]
+    wholes = [torch.randn(layout.shape).to(width[d]) for layout, d in zip(layouts, dtypes)]
+    wire = torch.float32 if "fp32" in dtypes else torch.bfloat16
+    assert exchange.widest_dtype([w.reshape(-1) for w in wholes]) == wire
+    out, _ = run_ranks(fake, layouts, wholes, True)
+    expected = [o.float().reshape(-1).to(wire) for o in newton_schulz([w.float() for w in wholes], [0, 1, 2, 3])]
+    for i, layout in enumerate(layouts):
+        for r in range(2):  # owner or not: the same bits, in the wire's dtype
+            assert out[r][i].dtype == wire and torch.equal(out[r][i], expected[i][slice(*layout.ranges[r])]), (i, r)
+
+
 def test_pipeline_order_overlaps_next_gather_and_previous_scatter_with_newton_schulz(fake):
     torch.manual_seed(0)
     layouts = mixed_layouts(2)

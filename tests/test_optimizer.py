@@ -429,6 +429,17 @@ def test_optim_args_take_ns_precondition():
         Muon(nn.Linear(4, 4), exchange_flops_per_byte="fast")
 
 
+def test_comm_dtype_is_checked_up_front():
+    assert Muon(nn.Linear(4, 4), comm_dtype="bf16").comm_dtype == torch.bfloat16
+    assert Muon(nn.Linear(4, 4), comm_dtype=torch.float16).comm_dtype == torch.float16
+    assert Muon(nn.Linear(4, 4)).comm_dtype is None
+    # an integer dtype trained silently wrong (2.9e-2 from one process); a misspelt name failed at the
+    # first distributed step with an AttributeError
+    for wrong in (torch.int8, "bfloat"):
+        with pytest.raises(ValueError, match="comm_dtype must be None"):
+            Muon(nn.Linear(4, 4), comm_dtype=wrong)
+
+
 def test_summary_names_the_preconditioner():
     from hf_muon.optimizer.summary import describe_optimizer
 

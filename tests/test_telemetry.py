@@ -50,6 +50,19 @@ def test_figures_are_the_last_steps_update():
     assert opt.telemetry()["muon/skipped_steps"] == 1
 
 
+def test_figures_of_a_float64_model():
+    # the AdamW half's norms were asked in float32, which a float64 update cannot narrow to: an error
+    model = tiny_llama().double()
+    opt = Muon(model, lr=1e-2, adamw_lr=1e-3, ns_dtype=torch.float64)
+    ids = torch.randint(0, 256, (2, 8))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    figures = opt.telemetry()
+    assert figures["muon/update_rms"] == pytest.approx(update_rms(before, model, opt, "muon"), rel=1e-6)
+    assert figures["muon/adamw_update_rms"] == pytest.approx(update_rms(before, model, opt, "adamw"), rel=1e-6)
+
+
 def test_telemetry_off_records_nothing_and_says_so():
     model = tiny_llama()
     opt = Muon(model, telemetry=False)

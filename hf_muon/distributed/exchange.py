@@ -15,6 +15,7 @@ only when each is waited for differs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,6 +76,13 @@ class _Transfer:
             self._work = None
         self._send = None  # the send buffer may go once the collective is done
         return list(self._recv.split(self._recv_sizes))
+
+
+def widest_dtype(tensors: list[Tensor]) -> torch.dtype:
+    """The wire dtype when none is asked for: the widest of the tensors' (float32 if none), so an fp32
+    update never travels in the bf16 of a neighbour."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors), tensors[0].dtype) if tensors \
+        else torch.float32
 
 
 def _start_all_to_all(chunks: list[list[Tensor]], recv_sizes: list[int], dtype: torch.dtype, device, group,
@@ -194,7 +202,8 @@ def _start_scatter(
             for dst in range(world):
                 if dst != rank and layout.holds(dst):
                     send[dst].append(flat[_span(layout, dst)])
-            results[i] = flat[_span(layout, rank)]
+            # through the wire dtype as the other ranks get theirs: every rank applies the same bits
+            results[i] = flat[_span(layout, rank)].to(dtype)
         elif layout.holds(rank):
             recv_sizes[owner] += _length(layout, rank)
     if not _travels(layouts, owners, bucket, world):
@@ -249,7 +258,8 @@ def orthogonalize_distributed(
         layouts, owners, buckets: the same lists on every rank (``buckets``: from ``plan.plan_buckets``).
         orthogonalize_fn: maps whole tensors (global shapes) and their indices in ``pieces`` to their
             orthogonalized updates (the indices say which tensor each is: fused ones are cut in blocks).
-        comm_dtype: dtype on the wire (e.g. ``torch.bfloat16`` halves traffic); default: the pieces'.
+        comm_dtype: dtype on the wire (e.g. ``torch.bfloat16`` halves traffic); default: the widest of the
+            pieces' (:func:`widest_dtype`). Each rank's results, the owner's too, are in it.
         overlap: pipeline the buckets with asynchronous collectives (bucket k+1's pieces travel while
             bucket k is orthogonalized and bucket k-1's results return); ``False``: one bucket at a
             time, each collective waited for at once. The results are the same bit for bit.
@@ -258,7 +268,7 @@ def orthogonalize_distributed(
     propagates; the other ranks' next collective then fails when this process exits (or at the
     group's timeout), as in the synchronous exchange.
     """
-    dtype = comm_dtype or (pieces[0].dtype if pieces else torch.float32)
+    dtype = comm_dtype or widest_dtype(pieces)
     device = pieces[0].device if pieces else torch.device("cpu")
     results: list[Tensor | None] = [None] * len(pieces)
     where = dict(group=group, rank=rank, world=world, stats=stats, dtype=dtype, device=device, async_op=overlap)

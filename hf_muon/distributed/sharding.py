@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed
+from .exchange import DEFAULT_BUCKET_BYTES, ExchangeStats, orthogonalize_distributed, widest_dtype
 from .layout import TensorLayout, replicated, row_sharded, with_blocks
 from .plan import PIPELINE_BUCKETS, plan_buckets, plan_exchange
 
@@ -139,7 +139,7 @@ def exchange_over(
     def exchange(blended: list[Tensor], newton_schulz: Callable[[list[Tensor], list[int]], list[Tensor]]) -> list[Tensor]:
         """``newton_schulz(wholes, indices)`` sees whole tensors and their indices in ``blended``; a
         stack's matrices come one at a time, each as a stack of one (``[1, rows, cols]``)."""
-        size = comm_dtype.itemsize if comm_dtype is not None else (blended[0].element_size() if blended else 4)
+        size = (comm_dtype or widest_dtype(blended)).itemsize
         if size not in buckets:  # the layouts never change: plan once per wire dtype size
             buckets[size] = plan_buckets(item_layouts, owners, world, ns_steps, size, bucket_bytes,
                                          PIPELINE_BUCKETS if overlap else 1, ns_dtype)

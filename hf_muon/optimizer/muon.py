@@ -400,7 +400,9 @@ class Muon(Optimizer):
         distributed: when ``torch.distributed`` runs with several ranks (DDP) or parameters are
             FSDP2 ``DTensor``s, orthogonalize each matrix once on an owner rank and share the result.
         bucket_bytes: cap on the whole-matrix bytes one exchange round gathers on owners.
-        comm_dtype: dtype of updates on the wire (``torch.bfloat16`` halves the exchange traffic).
+        comm_dtype: dtype of updates on the wire (``torch.bfloat16`` or ``"bf16"`` halves the exchange
+            traffic); ``None``: the widest of the updates' dtypes. Every rank, the owner too, applies
+            the result as it came over the wire, so replicas stay equal bit for bit.
         overlap_exchange: pipeline the exchange with asynchronous collectives: its buckets (at least
             four, balanced in Newton–Schulz work per owner) travel to their owners while the previous
             bucket is orthogonalized and the one before returns, so traffic hides behind Newton–Schulz.
@@ -466,7 +468,7 @@ class Muon(Optimizer):
         foreach: bool | None = None,
         distributed: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        comm_dtype: torch.dtype | None = None,
+        comm_dtype: torch.dtype | str | None = None,
         overlap_exchange: bool = True,
         exchange_flops_per_byte: float | str | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -493,6 +495,7 @@ class Muon(Optimizer):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self._check_exchange_flops_per_byte(exchange_flops_per_byte)
+        comm_dtype = self._checked_comm_dtype(comm_dtype)
         self._check_process_group(process_group, distributed)
         if orthogonalize_fn is not None and not callable(orthogonalize_fn):
             raise TypeError(f"orthogonalize_fn must be callable like hf_muon.kernels.orthogonalize, got {orthogonalize_fn!r}")
@@ -717,8 +720,11 @@ class Muon(Optimizer):
                         flags += torch.aminmax(grad)
                     params.append(p)
         finite = bool(torch.stack(flags).isfinite().all()) if flags else True
-        # sharded gradients: every rank must skip the same steps, or collectives would not match
-        return all_ranks_agree(finite, params, self.process_group) if self.distributed and params else finite
+        # sharded gradients: every rank must skip the same steps, or collectives would not match. Over
+        # the DTensors' mesh where there are any: a plain tensor beside them (a learned scalar in an
+        # AdamW group) is on every rank of it
+        sharded = [p for p in params if is_dtensor(p)]
+        return all_ranks_agree(finite, sharded or params, self.process_group) if self.distributed and params else finite
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -772,6 +778,10 @@ class Muon(Optimizer):
             # the mesh by value: each fully_shard call without mesh= makes a new mesh object, so units
             # sharded that way hold equal meshes that are different objects: one family
             mesh = next((p.device_mesh for p in with_grad if is_dtensor(p)), None)
+            if mesh is not None and not self.distributed and mesh.size() > 1:
+                raise ValueError("hf_muon.Muon(distributed=False) cannot run under FSDP2 with several ranks: each rank "
+                                 "holds only pieces of the matrices, and Newton–Schulz of a piece is not a piece of "
+                                 "the whole's. Leave distributed=True.")
             family = (group["ns_steps"], plan_ns_dtype(group["ns_dtype"]), mesh)
             families.setdefault(family, []).append((group, with_grad, blocks))
         for family, members in families.items():
@@ -785,6 +795,17 @@ class Muon(Optimizer):
                   blocks, (group["matrices_index"], None)) for group, with_grad, blocks in members],
                 exchange, replicated,
             )
+
+    @staticmethod
+    def _checked_comm_dtype(comm_dtype: torch.dtype | str | None) -> torch.dtype | None:
+        """``comm_dtype`` as a floating torch dtype (names as for ``ns_dtype``), or ``None``."""
+        if comm_dtype is None:
+            return None
+        dtype = _NS_DTYPES.get(comm_dtype) if isinstance(comm_dtype, str) else comm_dtype
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            raise ValueError(f"comm_dtype must be None (the widest of the updates' dtypes), a floating torch dtype or one of "
+                             f"{sorted(_NS_DTYPES)}, got {comm_dtype!r}")
+        return dtype
 
     @staticmethod
     def _check_exchange_flops_per_byte(value: float | str | None) -> None:

@@ -103,7 +103,9 @@ def adamw_update_sq(optimizer: Any, group: dict, lr: float) -> tuple[Tensor | No
         torch._foreach_add_(denom, group["eps"])
         update = torch._foreach_div(m, denom)
         scale = lr / (1 - beta1 ** step)
-        sq = torch.stack(torch._foreach_norm(update, 2, dtype=torch.float32)).square().sum() * scale ** 2
+        # at least float32 (a norm in bf16 keeps 3 digits); float64 stays float64 (it cannot narrow)
+        dtype = torch.float64 if any(u.dtype == torch.float64 for u in update) else torch.float32
+        sq = torch.stack(torch._foreach_norm(update, 2, dtype=dtype)).square().sum() * scale ** 2
         total = sq if total is None else total + sq
     return total, sum(t.numel() for t in exp_avgs)
 
