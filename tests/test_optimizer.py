@@ -429,6 +429,27 @@ def test_optim_args_take_ns_precondition():
         Muon(nn.Linear(4, 4), exchange_flops_per_byte="fast")
 
 
+def test_groups_keep_ns_dtype_by_name():
+    # a torch.dtype in a group made torch.distributed.checkpoint's full optimizer state dict raise
+    # "Unexpected value type <class 'torch.dtype'>"
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = Muon([{"params": [model[0].weight], "algorithm": "muon"},
+                {"params": [model[1].weight], "algorithm": "muon", "ns_dtype": torch.float32},
+                {"params": [model[0].bias, model[1].bias], "algorithm": "adamw"}], ns_dtype=torch.float64)
+    assert [g["ns_dtype"] for g in opt.param_groups] == ["float64", "float32", "float64"]
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    assert full["param_groups"][0]["ns_dtype"] == "float64"
+    # a state dict saved with the dtype itself (before) loads, and the group keeps the name
+    saved = opt.state_dict()
+    saved["param_groups"][0]["ns_dtype"] = torch.float64
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["ns_dtype"] == "float64"
+
+
 def test_comm_dtype_is_checked_up_front():
     assert Muon(nn.Linear(4, 4), comm_dtype="bf16").comm_dtype == torch.bfloat16
     assert Muon(nn.Linear(4, 4), comm_dtype=torch.float16).comm_dtype == torch.float16

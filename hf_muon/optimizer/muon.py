@@ -80,7 +80,14 @@ def with_precondition(fn: OrthogonalizeFn | None, precondition: str) -> Orthogon
 
 ADJUST_LR_RULES = ("match_rms_adamw", "original")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-              "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+              "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+              "fp64": torch.float64}
+
+
+def ns_dtype_name(ns_dtype: torch.dtype | str | None) -> str | None:
+    """``ns_dtype`` as param groups keep it: a name (``torch.float32`` -> ``"float32"``), since a
+    ``torch.dtype`` in a group breaks ``torch.distributed.checkpoint``'s full optimizer state dict."""
+    return str(ns_dtype).removeprefix("torch.") if isinstance(ns_dtype, torch.dtype) else ns_dtype
 
 
 def lr_scale(rows: int, cols: int, rule: str) -> float:
@@ -389,8 +396,8 @@ class Muon(Optimizer):
             Frobenius norm; the default) or ``"aol"`` (Turbo-Muon's row rescaling, one iteration
             fewer: 0.8x the products, but 1.06-1.28x the polar error of 5 Frobenius quintic steps on
             gradient-like matrices; see :func:`hf_muon.kernels.orthogonalize`).
-        ns_dtype: dtype Newton–Schulz runs in; ``None``: bfloat16 on accelerators and on CPUs with
-            native bf16 matmul, float32 on other CPUs.
+        ns_dtype: dtype Newton–Schulz runs in (a torch dtype or its name; groups keep the name);
+            ``None``: bfloat16 on accelerators and on CPUs with native bf16 matmul, float32 on other CPUs.
         adjust_lr: ``"match_rms_adamw"`` or ``"original"``.
         betas, eps: AdamW's.
         adamw_lr: learning rate of the AdamW half; ``None`` means ``lr``.
@@ -484,6 +491,7 @@ class Muon(Optimizer):
             foreach=foreach, stacked=False, ns_split=ns_split, ns_precondition=ns_precondition,
         )
         self._check_hyperparameters(defaults)
+        defaults["ns_dtype"] = ns_dtype_name(ns_dtype)
         if adamw_lr is not None and not adamw_lr >= 0:
             raise ValueError(f"adamw_lr must be >= 0, got {adamw_lr}")
         source_model = model if model is not None else module_behind(params)
@@ -597,6 +605,7 @@ class Muon(Optimizer):
         group = self.param_groups[-1]
         validate_group(group)
         self._check_hyperparameters(group)
+        group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])
         if group["ns_steps"] is None:  # resolved once: the owner plan and checkpoints see an int
             group["ns_steps"] = default_ns_steps(group["ns_precondition"])
         group["matrices_index"] = len(self._group_tensors)
@@ -705,6 +714,7 @@ class Muon(Optimizer):
         for group in self.param_groups:
             # written before ns_precondition existed: those runs divided by the Frobenius norm
             group.setdefault("ns_precondition", "frobenius")
+            group["ns_dtype"] = ns_dtype_name(group.get("ns_dtype"))  # saved as a torch.dtype before
 
     def _grads_finite(self) -> bool:
         """Refuse unsupported gradients up front, then check all are finite with one host sync."""
