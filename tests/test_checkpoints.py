@@ -215,6 +215,52 @@ def test_portable_state_round_trips_exactly_in_one_process(tmp_path):
             assert torch.equal(value, fresh_optimizer.state[b][key]), (name, key)
 
 
+@pytest.mark.parametrize("saved_after", [0, 2])
+def test_parameters_saved_without_state_resume_as_if_not_stopped(tmp_path, saved_after):
+    """A parameter that never got a gradient (a head the loss does not use) has no optimizer state, and
+    no parameter has any before the first step. Such checkpoints were refused, even in the same layout
+    ("has no exp_avg for unused_head.weight (saved before its first update?)")."""
+    def build():
+        model = tiny_llama()
+        torch.manual_seed(5)
+        model.unused_head = torch.nn.Linear(32, 3)
+        return model
+
+    model = build()
+    optimizer = Muon(model, lr=1e-2, ns_dtype="float32")
+    train_steps(model, optimizer, saved_after)
+    save_portable(optimizer, model, str(tmp_path))
+    fresh = build()
+    fresh_optimizer = Muon(fresh, lr=1e-2, ns_dtype="float32")
+    load_portable(fresh_optimizer, fresh, str(tmp_path))
+    assert not fresh_optimizer.state[fresh.unused_head.weight]  # its state comes with its first gradient
+    train_steps(model, optimizer, 2, seed=7)
+    train_steps(fresh, fresh_optimizer, 2, seed=7)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_zero_partition_takes_one_step_count_and_says_whose_differs():
+    """ZeRO keeps one AdamW step count per flat partition: parameters saved with fewer steps (they
+    started late) were merged into the first one's count, silently. A parameter saved without state
+    keeps zeros, as at its first update."""
+    from hf_muon.distributed.layout import TensorLayout
+    from hf_muon.distributed.providers import FlatPartition
+    from hf_muon.optimizer.shards import PendingState
+
+    part = FlatPartition(spans=((0, 4), (4, 2), (6, 3)), layouts=tuple(TensorLayout((n,), False, ((0, n),))
+                                                                       for n in (4, 2, 3)),
+                         group=None, rank=0, world=1, params=("a", "b", "c"))
+    pending = PendingState(read=lambda name, kind, start, end: torch.full((end - start,), float(ord(name))),
+                           names={id(t): t for t in ("a", "b", "c")}, steps={"a": 2.0, "b": 3.0},
+                           stateful={"a", "b"})
+    state = {"exp_avg": torch.zeros(9), "exp_avg_sq": torch.zeros(9), "step": torch.tensor(0.0)}
+    with pytest.warns(UserWarning, match=r"continues at 3, but 1 of its parameters were saved with fewer steps \(a;"):
+        pending.fill_partition(state, part)
+    assert state["step"] == 3
+    assert state["exp_avg"].tolist() == [97.0] * 4 + [98.0] * 2 + [0.0] * 3
+
+
 def test_portable_state_keeps_no_ns_settings_so_older_checkpoints_load(tmp_path):
     """meta.json holds only what the schedule moves (lr): a checkpoint written before ns_precondition
     existed has the same groups, and the resuming run's Newton–Schulz settings apply."""
@@ -374,6 +420,19 @@ def test_a_converted_zero3_checkpoint_resumes_in_one_process(tmp_path, source):
     prefix = str(tmp_path / "resumed")
     train("one", prefix, "--resume_from_checkpoint", str(legacy))
     assert max_rel_diff(load_rank0(prefix), load_rank0(source("one"))) <= TOLERANCE
+
+
+def test_the_deepspeed_tag_is_latest_or_the_highest_step(tmp_path):
+    # A string sort put global_step4 after global_step10: convert-checkpoint read the older optimizer
+    # state without a "latest" file, and the older scheduler even with one.
+    from hf_muon.checkpoint.convert import deepspeed_tag_dir
+
+    assert deepspeed_tag_dir(str(tmp_path)) is None
+    for tag in ("global_step4", "global_step10", "global_step10_universal", "global_step9"):
+        (tmp_path / tag).mkdir()
+    assert deepspeed_tag_dir(str(tmp_path)) == str(tmp_path / "global_step10")
+    (tmp_path / "latest").write_text("global_step4\n")
+    assert deepspeed_tag_dir(str(tmp_path)) == str(tmp_path / "global_step4")
 
 
 def test_convert_refuses_what_it_cannot_read(tmp_path):

@@ -19,6 +19,7 @@ import glob
 import importlib
 import io
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -114,12 +115,21 @@ def _zero_to_fp32() -> Any:
     return importlib.import_module("deepspeed.utils.zero_to_fp32")
 
 
+def deepspeed_tag_dir(checkpoint: str) -> str | None:
+    """The DeepSpeed tag folder a resume loads: the one ``latest`` names, else the highest
+    ``global_stepN`` by N (a string sort puts ``global_step4`` after ``global_step10``); ``None`` if none."""
+    tag_file = os.path.join(checkpoint, "latest")
+    if os.path.isfile(tag_file):
+        with open(tag_file) as f:
+            return os.path.join(checkpoint, f.read().strip())
+    steps = [(int(m.group(1)), path) for path in glob.glob(os.path.join(checkpoint, "global_step*"))
+             if (m := re.fullmatch(r"global_step(\d+)", os.path.basename(path))) and os.path.isdir(path)]
+    return max(steps)[1] if steps else None
+
+
 def from_deepspeed(checkpoint: str):
     zero = _zero_to_fp32()
-    tag_file = os.path.join(checkpoint, "latest")
-    tag = open(tag_file).read().strip() if os.path.isfile(tag_file) else \
-        os.path.basename(sorted(glob.glob(os.path.join(checkpoint, "global_step*")))[-1])
-    step_dir = os.path.join(checkpoint, tag)
+    step_dir = deepspeed_tag_dir(checkpoint)
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's helpers print progress
         model_states = internal(zero, "parse_model_states", "deepspeed")(
             internal(zero, "get_model_state_files", "deepspeed")(step_dir))
@@ -184,9 +194,9 @@ def _scheduler_state(checkpoint: str) -> dict | None:
     path = os.path.join(checkpoint, "scheduler.pt")
     if os.path.isfile(path):
         return torch.load(path, map_location="cpu", weights_only=True)
-    for tag_dir in sorted(glob.glob(os.path.join(checkpoint, "global_step*")))[-1:]:
-        for f in glob.glob(os.path.join(tag_dir, "*model_states.pt"))[:1]:
-            return torch.load(f, map_location="cpu", weights_only=False).get("lr_scheduler")
+    tag_dir = deepspeed_tag_dir(checkpoint)
+    for f in glob.glob(os.path.join(tag_dir, "*model_states.pt"))[:1] if tag_dir else []:
+        return torch.load(f, map_location="cpu", weights_only=False).get("lr_scheduler")
     return None
 
 
@@ -221,8 +231,8 @@ def to_deepspeed_universal(checkpoint: str, output: str) -> str:
     from .portable import portable_dir, read_meta
 
     checkpoint, output = os.path.abspath(checkpoint), os.path.abspath(output)
-    steps = sorted(glob.glob(os.path.join(checkpoint, "global_step*")))
-    model_files = glob.glob(os.path.join(steps[-1], "mp_rank_*_model_states.pt")) if steps else []
+    tag_dir = deepspeed_tag_dir(checkpoint)
+    model_files = glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")) if tag_dir else []
     if not model_files:
         raise CheckpointError(f"{checkpoint} is not a DeepSpeed ZeRO-1/2 checkpoint (no global_stepN/mp_rank_*_model_states.pt): "
                               "a universal checkpoint also needs DeepSpeed's engine state from it")
@@ -236,7 +246,7 @@ def to_deepspeed_universal(checkpoint: str, output: str) -> str:
         meta = make_meta(params, groups, 0, {})
     else:
         meta, tensors = read_meta(source), load_file(os.path.join(portable_dir(source), "tensors.safetensors"))
-    tag = os.path.basename(steps[-1]) + "_universal"
+    tag = os.path.basename(tag_dir) + "_universal"
     zero_dir = os.path.join(output, tag, "zero")
     for name, entry in meta["params"].items():
         folder = os.path.join(zero_dir, name)
@@ -254,7 +264,7 @@ def to_deepspeed_universal(checkpoint: str, output: str) -> str:
             if not os.path.isfile(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 torch.save({"param": value.float()}, path)
-    rank0 = torch.load(sorted(glob.glob(os.path.join(steps[-1], "*zero_pp_rank_0_*optim_states.pt")))[0],
+    rank0 = torch.load(sorted(glob.glob(os.path.join(tag_dir, "*zero_pp_rank_0_*optim_states.pt")))[0],
                        map_location="cpu", weights_only=False)["optimizer_state_dict"]
     common = {k: v for k, v in rank0.items()
               if k not in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}

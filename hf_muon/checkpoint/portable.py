@@ -302,9 +302,10 @@ def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
                        "its weights and schedule were loaded, Muon's momentum and AdamW's moments start from zero")
     else:
         steps = {n: e["step"] for n, e in meta["params"].items() if e.get("step") is not None}
+        stateful = {n for n, e in meta["params"].items() if e["state"]}
         with torch.no_grad():
-            fill_whole_state(optimizer, read, names, steps)
-        optimizer._pending_state = PendingState(read, names, steps)
+            fill_whole_state(optimizer, read, names, steps, stateful)
+        optimizer._pending_state = PendingState(read, names, steps, stateful)
         optimizer.skipped_steps = int(meta.get("skipped_steps", 0))
         for group, key in zip(optimizer.param_groups, group_keys):
             group.update({k: v for k, v in saved_groups[key].items() if k in _GROUP_KEYS})

@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Any
 
+from ..checkpoint.convert import deepspeed_tag_dir
 from ..checkpoint.portable import CheckpointError, has_portable_state, has_state, load_portable, save_portable
 from .compat import internal, wrap_once
 from .trainer_adaptive_lr import estimator_for_checkpoint
@@ -60,10 +61,10 @@ def describe_layout(trainer: Any) -> dict:
 
 def native_layout(checkpoint: str) -> str:
     """What the backend files in ``checkpoint`` say wrote it (for messages)."""
-    steps = sorted(glob.glob(os.path.join(checkpoint, "global_step*")))
-    if steps:
-        ranks = len(glob.glob(os.path.join(steps[-1], "*optim_states.pt")))
-        stage3 = bool(glob.glob(os.path.join(steps[-1], "zero_pp_rank_*_model_states.pt")))
+    tag_dir = deepspeed_tag_dir(checkpoint)
+    if tag_dir:
+        ranks = len(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))
+        stage3 = bool(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")))
         return f"DeepSpeed ZeRO-{'3' if stage3 else '1/2'} at {ranks} ranks"
     if glob.glob(os.path.join(checkpoint, "optimizer_0*")) or glob.glob(os.path.join(checkpoint, "pytorch_model_fsdp*")):
         return "FSDP"

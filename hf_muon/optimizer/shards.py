@@ -9,6 +9,8 @@ turns all three into the same :class:`Shard`; :class:`PendingState` goes the oth
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -106,25 +108,35 @@ class PendingState:
     read: SliceReader
     names: dict[int, str]
     steps: dict[str, float]
+    stateful: set[str]  # the parameters the checkpoint holds state for (not those saved before their first update)
 
     def fill_partition(self, state: dict, part: FlatPartition) -> None:
-        step = None
-        for p, (offset, length), layout in zip(part.params, part.spans, part.layouts):
-            name = self.names[id(p)]
-            step = self.steps.get(name, step) if step is None else step
-            if not length:
+        """Fill a flat partition's state; a parameter saved without state keeps zeros, as at its first update."""
+        names = [self.names[id(p)] for p in part.params]
+        for name, (offset, length), layout in zip(names, part.spans, part.layouts):
+            if not length or name not in self.stateful:
                 continue
             start = layout.ranges[part.rank][0]
             for key, buffer in state.items():
                 if torch.is_tensor(buffer) and buffer.ndim == 1:
                     buffer.narrow(0, offset, length).copy_(self.read(name, key, start, start + length))
-        if step is not None and "step" in state:
+        steps = {name: self.steps[name] for name in names if name in self.steps}
+        if steps and "step" in state:
+            step = max(steps.values())
             state["step"].fill_(step)
+            others = sorted(name for name, s in steps.items() if s != step)
+            if others:  # the backend keeps one count per partition: say whose bias correction changes
+                warnings.warn(f"hf_muon: this ZeRO partition keeps one AdamW step count and continues at {step:g}, "
+                              f"but {len(others)} of its parameters were saved with fewer steps ({', '.join(others[:4])}"
+                              f"{' ...' if len(others) > 4 else ''}; they started late): their bias correction "
+                              "from here differs from the run that did not stop")
 
 
-def fill_whole_state(optimizer: Muon, read: SliceReader, names: dict[int, str], steps: dict[str, float]) -> None:
+def fill_whole_state(optimizer: Muon, read: SliceReader, names: dict[int, str], steps: dict[str, float],
+                     stateful: set[str]) -> None:
     """Create and fill the state of every tensor that is not a backend's flat partition (one process,
-    DDP, FSDP2): the same tensors ``step()`` would create, with this rank's slice of the checkpoint."""
+    DDP, FSDP2): the same tensors ``step()`` would create, with this rank's slice of the checkpoint;
+    none for a parameter the checkpoint holds no state for (``stateful``), as in the run that did not stop."""
     from torch.optim.optimizer import _get_scalar_dtype
 
     for group in optimizer.param_groups:
@@ -135,6 +147,8 @@ def fill_whole_state(optimizer: Muon, read: SliceReader, names: dict[int, str], 
         rank, world = (where[1], where[2]) if where is not None else (0, 1)
         for p, layout in zip(params, layouts_of(params, group.get("stacked", False), world)):
             name = names[id(p)]
+            if name not in stateful:  # saved before its first update: its state comes with its first gradient
+                continue
             start, end = layout.ranges[rank]
             state = optimizer.state[p]
             for key in STATE_KEYS[group["algorithm"]]:
