@@ -240,6 +240,38 @@ def test_parameters_saved_without_state_resume_as_if_not_stopped(tmp_path, saved
         assert torch.equal(a, b), name
 
 
+def test_persistent_buffers_travel_in_the_portable_state(tmp_path, caplog):
+    """Running statistics and counters: a resume under FSDP or DeepSpeed does not read the backend's
+    weight files, so a BatchNorm's statistics started over there (an audit found it through a frozen
+    embedding: 0.106 from the run that did not stop, with the log saying "resumed")."""
+    import json
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+
+    model = build(0)
+    optimizer = Muon(model, lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(6, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_portable(optimizer, model, str(tmp_path))
+    fresh = build(1)
+    load_portable(Muon(fresh, lr=1e-2), fresh, str(tmp_path))
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name  # num_batches_tracked stays an int64 3
+    # a checkpoint written before buffers travelled loads, and says what it could not restore
+    meta_path = tmp_path / "hf_muon_state" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["buffers"]
+    meta_path.write_text(json.dumps(meta))
+    older = build(1)
+    with caplog.at_level("WARNING", logger="hf_muon"):
+        load_portable(Muon(older, lr=1e-2), older, str(tmp_path))
+    assert "written without the model's buffers (1.num_batches_tracked ...)" in caplog.text
+
+
 def test_a_zero_partition_takes_one_step_count_and_says_whose_differs():
     """ZeRO keeps one AdamW step count per flat partition: parameters saved with fewer steps (they
     started late) were merged into the first one's count, silently. A parameter saved without state

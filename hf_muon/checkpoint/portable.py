@@ -6,7 +6,9 @@ A checkpoint folder gets ``hf_muon_state/`` beside whatever the backend wrote::
                          shape and algorithm, the param groups' learning rates, skipped steps
     tensors.safetensors  per parameter, flat fp32 and whole: ``param/NAME`` (the master weights
                          the optimizer updates), ``momentum_buffer/NAME`` (Muon),
-                         ``exp_avg/NAME`` and ``exp_avg_sq/NAME`` (AdamW)
+                         ``exp_avg/NAME`` and ``exp_avg_sq/NAME`` (AdamW); ``buffer/NAME``, whole in
+                         its own dtype, for each persistent buffer of the model (a resume under FSDP
+                         or DeepSpeed does not read the backend's weight files)
     scheduler.pt         the learning-rate scheduler's state, when one was given
 
 Saving gathers each tensor's pieces on rank 0 through the same code the exchange uses
@@ -29,13 +31,14 @@ from torch import Tensor, nn
 
 from ..distributed import providers
 from ..distributed.exchange import gather_on_owners
-from ..distributed.sharding import local
+from ..distributed.sharding import is_dtensor, local
 from ..optimizer.shards import PendingState, Shard, fill_whole_state, shards_of
 
 DIRNAME = "hf_muon_state"
 FORMAT = "hf_muon portable optimizer state"
 VERSION = 1
 _META, _TENSORS, _SCHEDULER = "meta.json", "tensors.safetensors", "scheduler.pt"
+_BUFFER = "buffer"  # the model's persistent buffers: KIND/NAME entries beside "param" and the state keys
 _GROUP_KEYS = ("lr", "initial_lr")  # what the schedule moved; other settings come from the resuming run
 
 
@@ -57,6 +60,22 @@ def has_portable_state(checkpoint: str) -> bool:
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> name`` (a tied parameter keeps its first name, as ``named_parameters`` gives)."""
     return {id(p): n for n, p in model.named_parameters()}
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """The model's buffers its ``state_dict`` carries (running statistics, counters), by name, sorted.
+    A resume under FSDP or DeepSpeed does not read the checkpoint's weight files, so these travel here."""
+    found: dict[str, Tensor] = {}
+    for prefix, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and key not in module._non_persistent_buffers_set:
+                found.setdefault(f"{prefix}.{key}" if prefix else key, buffer)
+    return sorted(found.items())
+
+
+def _whole(t: Tensor) -> Tensor:
+    """``t`` whole on this rank, in its dtype (a ``DTensor`` is gathered: every rank calls, in the same order)."""
+    return (t.full_tensor() if is_dtensor(t) else t).detach().to("cpu").clone()
 
 
 def _world() -> tuple[int, int]:
@@ -129,16 +148,19 @@ def save_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
     names = parameter_names(model)
     shards = shards_of(optimizer, names)
     tensors = _gather(_entries(shards), bucket_bytes)
+    buffers = {name: _whole(b) for name, b in persistent_buffers(model)}
     steps = _steps(shards)
     rank, world = _world()
     if rank != 0:
         return
+    tensors.update({f"{_BUFFER}/{name}": b for name, b in buffers.items()})
     meta = make_meta(
         {s.name: {"shape": list(s.layout.shape), "algorithm": s.algorithm, "state": sorted(s.state),
                   "step": steps.get(s.name)} for s in shards},
         [{"algorithm": g["algorithm"], "params": _group_names(optimizer, g, names),
           **{k: g[k] for k in _GROUP_KEYS if k in g}} for g in optimizer.param_groups],
         optimizer.skipped_steps, {"world_size": world, **(written_under or {})})
+    meta["buffers"] = {name: list(b.shape) for name, b in buffers.items()}
     if noise_scale is not None:
         meta["gradient_noise_scale"] = noise_scale.state_dict()
     write_portable(checkpoint, tensors, meta, None if scheduler is None else scheduler.state_dict())
@@ -236,13 +258,16 @@ def _reader(checkpoint: str, meta: dict):
         raise CheckpointError(f"{path} cannot be read ({error}); resume from an earlier checkpoint") from None
     keys = set(handle.keys())
     absent = [f"{kind}/{n}" for n, e in meta["params"].items() for kind in ["param", *e["state"]]
-              if f"{kind}/{n}" not in keys]
+              if f"{kind}/{n}" not in keys] + [f"{_BUFFER}/{n}" for n in meta.get("buffers", {})
+                                               if f"{_BUFFER}/{n}" not in keys]
     if absent:
         raise CheckpointError(f"{path} is partial: {len(absent)} tensors missing ({', '.join(absent[:4])} ...); "
                               "resume from an earlier checkpoint")
 
     def read(name: str, kind: str, start: int, end: int) -> Tensor:
-        if kind not in meta["params"][name]["state"] and kind != "param":
+        if kind == _BUFFER:  # whole, in the dtype it was saved in
+            return handle.get_tensor(f"{kind}/{name}")
+        if kind != "param" and kind not in meta["params"][name]["state"]:
             raise CheckpointError(f"{path} has no {kind} for {name} (saved before its first update?)")
         return handle.get_slice(f"{kind}/{name}")[start:end]
 
@@ -268,6 +293,33 @@ def _load_parameters(optimizer, read, names: dict[int, str], meta: dict) -> None
             start, end = layout.ranges[rank]
             target = local(p).data
             target.view(-1).copy_(read(names[id(p)], "param", start, end).to(target.dtype))
+
+
+def _load_buffers(model: nn.Module, read, meta: dict, checkpoint: str) -> None:
+    """Set the model's persistent buffers from the checkpoint (written before they travelled: say so)."""
+    from ..distributed.sharding import layouts_of, process_group_of
+
+    saved = meta.get("buffers")
+    buffers = persistent_buffers(model)
+    if saved is None:
+        if buffers:
+            logger.warning(f"{checkpoint} was written without the model's buffers ({buffers[0][0]} ...): they keep the "
+                           "values this run built unless the checkpoint's own weight files were loaded")
+        return
+    missing = sorted(set(saved) - {name for name, _ in buffers})
+    if missing:
+        raise CheckpointError(f"{checkpoint} holds buffers this model does not have ({', '.join(missing[:4])}): "
+                              "it was written by another model")
+    for name, buffer in buffers:
+        if name not in saved:
+            continue
+        whole = read(name, _BUFFER, 0, 0).to(buffer.dtype)
+        if is_dtensor(buffer):
+            _, rank, world = process_group_of([buffer])
+            start, end = layouts_of([buffer], False, world)[0].ranges[rank]
+            local(buffer).view(-1).copy_(whole.view(-1)[start:end])
+        else:
+            buffer.copy_(whole.view(buffer.shape))
 
 
 def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: Any = None,
@@ -296,6 +348,7 @@ def load_portable(optimizer, model: nn.Module, checkpoint: str, *, scheduler: An
     read = _reader(checkpoint, meta)
     with torch.no_grad():
         _load_parameters(optimizer, read, names, meta)
+        _load_buffers(model, read, meta, checkpoint)
     if fresh:
         logger.warning(f"allow_fresh_state=true: CONTINUING WITH FRESH OPTIMIZER STATE: {checkpoint} was written with "
                        f"another parameter split ({split_problems[0]}{' ...' if len(split_problems) > 1 else ''}); "

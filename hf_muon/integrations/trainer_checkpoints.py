@@ -128,6 +128,18 @@ def load_with_trainer(trainer: Any, checkpoint: str) -> bool:
     return True
 
 
+def warn_frozen_not_loaded(model: Any, checkpoint: str) -> None:
+    """The backend's weight files are not read on this resume; hf_muon_state/ holds the trained weights
+    and the buffers, not frozen parameters (a frozen base would make every checkpoint its size): say so."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        more = " ..." if len(frozen) > 1 else ""
+        logger.warning(f"resuming from {checkpoint}: {len(frozen)} frozen parameters ({frozen[0]}{more}) are not "
+                       "loaded from it (hf_muon_state/ holds the trained ones, and under this layout the checkpoint's "
+                       "own weight files are not read): they keep the values this run built, e.g. the pretrained "
+                       "weights the script loads")
+
+
 def on_trainer(trainer_module: Any) -> None:
     """Wrap the Trainer's checkpoint save and resume (idempotent)."""
     trainer_cls = internal(trainer_module, "Trainer", LIBRARY)
@@ -144,6 +156,7 @@ def on_trainer(trainer_module: Any) -> None:
             if _muon_requested(self) and has_portable_state(resume_from_checkpoint) and (
                     self.is_fsdp_enabled or not any(os.path.exists(os.path.join(resume_from_checkpoint, f))
                                                     for f in _WEIGHTS_FILES)):
+                warn_frozen_not_loaded(model if model is not None else self.model, resume_from_checkpoint)
                 return  # the trained weights come from hf_muon_state/ once the optimizer exists
             original(self, resume_from_checkpoint, model)
 
@@ -165,6 +178,7 @@ def on_trainer(trainer_module: Any) -> None:
     def wrap_deepspeed_load(original):
         def deepspeed_load_checkpoint(engine: Any, checkpoint_path: str, *args: Any, **kwargs: Any) -> Any:
             if muon_of(getattr(engine, "optimizer", None)) is not None and has_portable_state(checkpoint_path):
+                warn_frozen_not_loaded(engine.module, checkpoint_path)
                 return None  # loaded by hf_muon under this layout (see _load_optimizer_and_scheduler)
             try:
                 return original(engine, checkpoint_path, *args, **kwargs)

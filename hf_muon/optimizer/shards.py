@@ -126,10 +126,10 @@ class PendingState:
             state["step"].fill_(step)
             others = sorted(name for name, s in steps.items() if s != step)
             if others:  # the backend keeps one count per partition: say whose bias correction changes
+                listed = ", ".join(others[:4]) + (" ..." if len(others) > 4 else "")
                 warnings.warn(f"hf_muon: this ZeRO partition keeps one AdamW step count and continues at {step:g}, "
-                              f"but {len(others)} of its parameters were saved with fewer steps ({', '.join(others[:4])}"
-                              f"{' ...' if len(others) > 4 else ''}; they started late): their bias correction "
-                              "from here differs from the run that did not stop")
+                              f"but {len(others)} of its parameters were saved with fewer steps ({listed}; they "
+                              "started late): their bias correction from here differs from the run that did not stop")
 
 
 def fill_whole_state(optimizer: Muon, read: SliceReader, names: dict[int, str], steps: dict[str, float],
