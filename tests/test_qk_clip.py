@@ -190,6 +190,25 @@ def test_clipping_puts_clipped_heads_at_tau(family, impl):
     torch.testing.assert_close(first[~clipped], before_maxima[0][~clipped], rtol=1e-5, atol=1e-6)
 
 
+def test_a_skipped_step_clips_nothing():
+    """A step with non-finite gradients changes nothing (the README's promise); QK-clip's step post-hook
+    ran anyway and rescaled the query/key weights on every fp16 overflow."""
+    model = tiny_model("llama", "eager")
+    opt = Muon(model, lr=1e-2, qk_clip_tau=0.05)  # below the random init's logits: every head would clip
+    ids = torch.randint(0, 64, (2, 16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.model.layers[0].mlp.up_proj.weight.grad[0, 0] = float("inf")
+    with pytest.warns(UserWarning, match="skipped a step"):
+        opt.step()
+    assert opt.skipped_steps == 1 and opt.qk_clip.clipped_heads == 0
+    assert [n for n, p in model.named_parameters() if not torch.equal(before[n], p)] == []
+    opt.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert opt.qk_clip.clipped_heads > 0  # the next finite step clips as usual
+
+
 def test_unknown_model_refused():
     with pytest.raises(ValueError, match="QKClip supports Llama .* Qwen2 .* GPT-2"):
         QKClip(nn.Sequential(nn.Linear(4, 4)))

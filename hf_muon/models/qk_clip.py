@@ -329,6 +329,8 @@ class QKClip:
         self._seen_since_step = False
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if getattr(optimizer, "last_step_skipped", False):  # non-finite gradients: the step changes nothing
+            return
         # DeepSpeed ZeRO calls step() once per param group (ZeRO-1/2) or sub-group (ZeRO-3), each time
         # with only that group's tensors: a step is open until every q/k tensor has been reached.
         if self._pending is not None and self._seen_since_step:

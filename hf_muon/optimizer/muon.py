@@ -540,6 +540,7 @@ class Muon(Optimizer):
         for group in self.param_groups:  # refused now, not at the first step
             with_precondition(orthogonalize_fn, group["ns_precondition"])
         self.skipped_steps = 0
+        self.last_step_skipped = False  # step post-hooks (QK-clip) must leave a skipped step alone
         self.exchange_stats = ExchangeStats()
         # (group's ranks, device type, NS dtype, wire bytes per element) -> its measured rates
         self._link_rates: dict[tuple, LinkRates] = {}
@@ -745,7 +746,8 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._unscale_for_grad_scaler()
-        if not self._grads_finite():
+        self.last_step_skipped = not self._grads_finite()
+        if self.last_step_skipped:
             self.skipped_steps += 1
             warnings.warn(f"hf_muon.Muon skipped a step with non-finite gradients ({self.skipped_steps} so far)")
             return loss
