@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..distributed import providers
-from .param_split import ADAMW, MUON, shape_of, split_parameters
+from .param_split import ADAMW, MUON, shape_of, split_parameters, unwrap
 
 ALGORITHMS = (MUON, ADAMW)
 
@@ -31,13 +31,13 @@ def module_behind(params: Any) -> nn.Module | None:
     and without the module embeddings and heads cannot be told from hidden matrices.
     """
     if isinstance(params, nn.Module):
-        return params
+        return unwrap(params)
     if isinstance(params, ModelParamGroups):
-        return params.model
+        return unwrap(params.model)
     if inspect.isgenerator(params) and params.gi_frame is not None:
         if params.gi_code in (nn.Module.parameters.__code__, nn.Module.named_parameters.__code__):
             owner = params.gi_frame.f_locals.get("self")
-            return owner if isinstance(owner, nn.Module) else None
+            return unwrap(owner) if isinstance(owner, nn.Module) else None
     return None
 
 
@@ -75,9 +75,9 @@ def build_param_groups(
     :func:`split_parameters` on ``model`` (or the module behind ``params``); without a model,
     every tensor of 2 or more dimensions goes to Muon and a warning says how to do better.
     """
-    model = model if model is not None else module_behind(params)
+    model = unwrap(model) if model is not None else module_behind(params)
     if isinstance(params, nn.Module):
-        split = split_parameters(params, force_muon, force_adamw)
+        split = split_parameters(unwrap(params), force_muon, force_adamw)
         return split.param_groups()
     groups = _as_group_dicts(params)
     table = split_parameters(model, force_muon, force_adamw).algorithm_of() if model is not None else None

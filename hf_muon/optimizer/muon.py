@@ -30,7 +30,7 @@ from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SET
                                      default_ns_steps, orthogonalize)
 from ..models.fused import NS_SPLITS, Blocks, block_shapes, fused_blocks
 from .groups import build_param_groups, module_behind, validate_group
-from .param_split import MUON, shape_of
+from .param_split import MUON, shape_of, unwrap
 from .shards import PendingState
 from .summary import describe_optimizer
 from .telemetry import Stopwatch, StepFigures, Telemetry
@@ -494,7 +494,7 @@ class Muon(Optimizer):
         defaults["ns_dtype"] = ns_dtype_name(ns_dtype)
         if adamw_lr is not None and not adamw_lr >= 0:
             raise ValueError(f"adamw_lr must be >= 0, got {adamw_lr}")
-        source_model = model if model is not None else module_behind(params)
+        source_model = unwrap(model) if model is not None else module_behind(params)
         groups = build_param_groups(params, model, force_muon, force_adamw)
         if adamw_lr is not None:
             for group in groups:

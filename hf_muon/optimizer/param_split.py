@@ -128,13 +128,29 @@ def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tu
     return ADAMW, f"parameter of {kind} that is not a matrix layer's weight", False
 
 
+def unwrap(model: nn.Module | None) -> nn.Module | None:
+    """The model inside a DDP/DataParallel wrapper, a DeepSpeed engine or ``torch.compile`` (nested too):
+    a wrapper forwards none of the model's attributes (its config, embeddings, head), so the split would
+    take the LM head for a hidden matrix."""
+    while model is not None:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or \
+                type(model).__name__ == "DeepSpeedEngine":
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+    return None
+
+
 def split_parameters(
     model: nn.Module, force_muon: str | None = None, force_adamw: str | None = None
 ) -> ParameterSplit:
     """Split ``model``'s parameters between Muon and AdamW, with the reason for each.
 
     Args:
-        model: any ``nn.Module``; Hugging Face models are recognised by their accessors.
+        model: any ``nn.Module`` (a DDP, DeepSpeed or ``torch.compile`` wrapper is looked through: names are
+            the inner model's); Hugging Face models are recognised by their accessors.
         force_muon: regex (``re.search`` on the parameter name) of parameters to give Muon anyway.
             They must be at least 2-D.
         force_adamw: regex of parameters to give AdamW anyway.
@@ -144,6 +160,7 @@ def split_parameters(
     """
     muon_re = re.compile(force_muon) if force_muon else None
     adamw_re = re.compile(force_adamw) if force_adamw else None
+    model = unwrap(model)
     input_embeddings = _params_of(_accessor(model, "get_input_embeddings"))
     output_embeddings = _params_of(_accessor(model, "get_output_embeddings"))
     body_prefix, body = model_body(model)
@@ -151,6 +168,7 @@ def split_parameters(
 
     split = ParameterSplit()
     seen: set[int] = set()
+    matched = {"force_muon": False, "force_adamw": False}
     for module_name, module in model.named_modules():
         for local_name, p in module.named_parameters(recurse=False):
             name = f"{module_name}.{local_name}" if module_name else local_name
@@ -168,6 +186,8 @@ def split_parameters(
                 algorithm, reason, stacked = _classify_in_body(module, local_name, p)
             matched_muon = bool(muon_re and muon_re.search(name))
             matched_adamw = bool(adamw_re and adamw_re.search(name))
+            matched["force_muon"] |= matched_muon
+            matched["force_adamw"] |= matched_adamw
             if matched_muon and matched_adamw:
                 raise ValueError(f"parameter {name!r} matches both force_muon and force_adamw; make the regexes disjoint")
             if matched_muon:
@@ -183,6 +203,11 @@ def split_parameters(
             split.reasons[name] = reason
             if stacked:
                 split.stacked.add(name)
+    for key, regex in (("force_muon", force_muon), ("force_adamw", force_adamw)):
+        if regex and not matched[key]:  # a typo would otherwise leave the split as it was, silently
+            some = ", ".join(list(split.reasons)[:3])
+            raise ValueError(f"{key}={regex!r} matches no parameter of {type(model).__name__} (names look like {some}; "
+                             "a tied parameter goes by its first name): fix the regex")
     return split
 
 
