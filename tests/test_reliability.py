@@ -123,8 +123,8 @@ def _use_muon_attribute():
 
 
 BAD_INPUTS = [
-    ("lr-negative", "Muon(params, lr=-1)", _muon(lr=-1.0), ValueError, "lr must be a number >= 0"),
-    ("lr-string", "Muon(params, lr='1e-3')", _muon(lr="1e-3"), ValueError, "lr must be a number"),
+    ("lr-negative", "Muon(params, lr=-1)", _muon(lr=-1.0), ValueError, "lr must be a finite number >= 0"),
+    ("lr-string", "Muon(params, lr='1e-3')", _muon(lr="1e-3"), ValueError, "lr must be a finite number"),
     ("weight-decay-negative", "weight_decay=-0.1", _muon(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
     ("momentum-one", "momentum=1.0", _muon(momentum=1.0), ValueError, r"momentum must be in \[0, 1\)"),
     ("ns-steps-zero", "ns_steps=0", _muon(ns_steps=0), ValueError, "ns_steps must be an integer"),
@@ -139,7 +139,7 @@ BAD_INPUTS = [
     ("adjust-lr", "adjust_lr='rms'", _muon(adjust_lr="rms"), ValueError, "adjust_lr must be one of"),
     ("betas", "betas=(1.0, 0.999)", _muon(betas=(1.0, 0.999)), ValueError, r"betas must each be in \[0, 1\)"),
     ("eps", "eps=-1e-8", _muon(eps=-1e-8), ValueError, "eps must be >= 0"),
-    ("adamw-lr", "adamw_lr=-1", _muon(adamw_lr=-1.0), ValueError, "adamw_lr must be >= 0"),
+    ("adamw-lr", "adamw_lr=-1", _muon(adamw_lr=-1.0), ValueError, "adamw_lr must be a finite number >= 0"),
     ("ns-split", "ns_split='rows'", _muon(ns_split="rows"), ValueError, "ns_split must be one of"),
     ("bucket-bytes", "bucket_bytes=0", _muon(bucket_bytes=0), ValueError, "bucket_bytes must be > 0"),
     ("exchange-flops-per-byte", "exchange_flops_per_byte=0", _muon(exchange_flops_per_byte=0), ValueError,

@@ -80,7 +80,10 @@ def test_bad_optim_args_raise(bad, message):
     ("ns_coefficients=cubic", "ns_coefficients must be one of"),
     ("ns_dtype=int8", "ns_dtype must be one of"),
     ("adjust_lr=spectral", "adjust_lr must be one of"),
-    ("adamw_lr=-1", "adamw_lr must be >= 0"),
+    ("adamw_lr=-1", "adamw_lr must be a finite number >= 0"),
+    ("adamw_lr=nan", "adamw_lr must be a finite number >= 0"),
+    ("adamw_lr=inf", "adamw_lr must be a finite number >= 0"),
+    ("qk_clip_tau=0", "tau must be a finite number > 0"),
     ("force_adamw=lm_head[", "not a valid regular expression"),
 ])
 def test_optim_args_mistakes_stop_training_arguments(tmp_path, bad, message):

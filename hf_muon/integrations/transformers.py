@@ -111,8 +111,11 @@ def check_optim_args(optim_args: str | None) -> dict[str, Any]:
                 if p.default is not inspect.Parameter.empty}
     try:
         Muon._check_hyperparameters({**defaults, **options})
-        if options.get("adamw_lr", 0) < 0:
-            raise ValueError(f"adamw_lr must be >= 0, got {options['adamw_lr']}")
+        Muon._check_adamw_lr(options.get("adamw_lr"))
+        if "qk_clip_tau" in options:
+            from ..models.qk_clip import check_tau
+
+            check_tau(options["qk_clip_tau"])
         Muon._check_exchange_flops_per_byte(options.get("exchange_flops_per_byte"))
         for key in ("force_muon", "force_adamw"):
             if key in options:

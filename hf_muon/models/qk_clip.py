@@ -200,6 +200,12 @@ def head_max_logits(module: nn.Module, query: Tensor, key: Tensor, attention_mas
 
 # --- the clip ------------------------------------------------------------------------------------
 
+def check_tau(tau: float) -> None:
+    """Refuse a tau that is not a finite number > 0 (``--optim_args qk_clip_tau=`` is checked with this)."""
+    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
+        raise ValueError(f"QKClip: tau must be a finite number > 0, got {tau!r}")
+
+
 class QKClip:
     """QK-clip for a Llama, Qwen2 or GPT-2 model trained with :class:`hf_muon.Muon`::
 
@@ -216,8 +222,7 @@ class QKClip:
     """
 
     def __init__(self, model: nn.Module, tau: float = 100.0) -> None:
-        if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
-            raise ValueError(f"QKClip: tau must be a finite number > 0, got {tau!r}")
+        check_tau(tau)
         self.tau = float(tau)
         self.layers = find_attention_layers(model)
         self._configs = self._tracked_configs()

@@ -492,8 +492,7 @@ class Muon(Optimizer):
         )
         self._check_hyperparameters(defaults)
         defaults["ns_dtype"] = ns_dtype_name(ns_dtype)
-        if adamw_lr is not None and not adamw_lr >= 0:
-            raise ValueError(f"adamw_lr must be >= 0, got {adamw_lr}")
+        self._check_adamw_lr(adamw_lr)
         source_model = unwrap(model) if model is not None else module_behind(params)
         groups = build_param_groups(params, model, force_muon, force_adamw)
         if adamw_lr is not None:
@@ -570,9 +569,14 @@ class Muon(Optimizer):
                              "only on the ranks of its group, or pass a group that contains this rank")
 
     @staticmethod
+    def _check_adamw_lr(adamw_lr: float | None) -> None:
+        if adamw_lr is not None and not (isinstance(adamw_lr, (int, float)) and 0 <= adamw_lr < math.inf):
+            raise ValueError(f"adamw_lr must be a finite number >= 0, got {adamw_lr!r}")
+
+    @staticmethod
     def _check_hyperparameters(h: dict) -> None:
-        if not (isinstance(h["lr"], (int, float)) and h["lr"] >= 0):
-            raise ValueError(f"lr must be a number >= 0, got {h['lr']!r}")
+        if not (isinstance(h["lr"], (int, float)) and 0 <= h["lr"] < math.inf):
+            raise ValueError(f"lr must be a finite number >= 0, got {h['lr']!r}")
         if not h["weight_decay"] >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {h['weight_decay']}")
         if not 0 <= h["momentum"] < 1:
