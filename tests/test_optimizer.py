@@ -450,6 +450,21 @@ def test_groups_keep_ns_dtype_by_name():
     assert opt.param_groups[0]["ns_dtype"] == "float64"
 
 
+def test_groups_added_later_follow_adamw_lr_and_the_naming():
+    # AdamW groups added later took lr instead of adamw_lr; on Muon(model) (named groups) a group without
+    # names failed with torch's "all optimizer param groups should be with/without names"
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = Muon(model, lr=1e-2, adamw_lr=1e-3)
+    with pytest.raises(ValueError, match="give the new group 'param_names'"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(4))], "algorithm": "adamw"})
+    opt.add_param_group({"params": [nn.Parameter(torch.randn(4))], "param_names": ["scale"]})
+    opt.add_param_group({"params": [nn.Parameter(torch.randn(4, 4))], "param_names": ["extra"], "algorithm": "muon"})
+    assert [g["lr"] for g in opt.param_groups[-2:]] == [1e-3, 1e-2]
+    unnamed = Muon(list(model.parameters()), model=model, adamw_lr=1e-3)
+    with pytest.raises(ValueError, match="add the group without 'param_names'"):
+        unnamed.add_param_group({"params": [nn.Parameter(torch.randn(4))], "param_names": ["s"]})
+
+
 def test_comm_dtype_is_checked_up_front():
     assert Muon(nn.Linear(4, 4), comm_dtype="bf16").comm_dtype == torch.bfloat16
     assert Muon(nn.Linear(4, 4), comm_dtype=torch.float16).comm_dtype == torch.float16

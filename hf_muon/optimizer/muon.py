@@ -495,10 +495,7 @@ class Muon(Optimizer):
         self._check_adamw_lr(adamw_lr)
         source_model = unwrap(model) if model is not None else module_behind(params)
         groups = build_param_groups(params, model, force_muon, force_adamw)
-        if adamw_lr is not None:
-            for group in groups:
-                if group["algorithm"] != MUON:
-                    group.setdefault("lr", adamw_lr)
+        self.adamw_lr = adamw_lr  # AdamW groups without an "lr" get it, those added later too
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self._check_exchange_flops_per_byte(exchange_flops_per_byte)
@@ -599,13 +596,22 @@ class Muon(Optimizer):
             raise ValueError(f"eps must be >= 0, got {h['eps']}")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; it must say ``"algorithm"`` unless all its tensors are below 2-D (AdamW)."""
+        """Add a group; it must say ``"algorithm"`` unless all its tensors are below 2-D (AdamW). An AdamW
+        group without ``"lr"`` gets ``adamw_lr`` when one was given. Where the groups carry parameter names
+        (``Muon(model)``), the new one must too (``"param_names"``)."""
         if "algorithm" not in param_group:
             params = param_group["params"]
             params = [params] if isinstance(params, Tensor) else list(params)
             if any(p.ndim >= 2 for p in params):
                 raise ValueError("a param group added after construction must set 'algorithm': 'muon' or 'adamw'")
             param_group = {**param_group, "params": params, "algorithm": "adamw"}
+        if param_group["algorithm"] != MUON and "lr" not in param_group and getattr(self, "adamw_lr", None) is not None:
+            param_group = {**param_group, "lr": self.adamw_lr}
+        if self.param_groups and ("param_names" in self.param_groups[0]) != ("param_names" in param_group):
+            named = "param_names" in self.param_groups[0]
+            raise ValueError("this optimizer's groups " + ("carry parameter names (Muon(model) names them): give the "
+                             "new group 'param_names', one per tensor, as model.named_parameters() spells them"
+                             if named else "have no parameter names: add the group without 'param_names'"))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         validate_group(group)
