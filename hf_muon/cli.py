@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 
@@ -206,7 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "inspect":
         if not os.path.exists(args.model):
             parser.error(f"{args.model}: no such file or folder (hf-muon inspect reads local configs only)")
-        print(inspect_model(args.model, args.force_muon, args.force_adamw, args.ns_split))
+        try:
+            print(inspect_model(args.model, args.force_muon, args.force_adamw, args.ns_split))
+        except (ValueError, OSError, re.error) as error:  # a bad regex, a folder transformers cannot read
+            parser.exit(2, f"hf-muon inspect: {error}\n")
 
 
 if __name__ == "__main__":

@@ -513,6 +513,9 @@ def test_cli_llama_3_8b_zero3(tmp_path):
     (["llama-3-8b", "--layout", "zero3", "--world", "2", "--sub_group_size", "0"], "sub_group_size must be"),
     (["llama-3-8b", "--layout", "fsdp2", "--world", "2", "--exchange_flops_per_byte", "0"],
      "exchange_flops_per_byte must be a positive number"),
+    # accepted before: a negative latency printed a step of -0.0 ms, 500 steps a plan Muon would refuse
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--latency_us", "-5"], "--latency_us must be a number >= 0"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--ns_steps", "500"], "ns_steps must be an integer in [1, 100)"),
 ])
 def test_cli_bad_inputs(args, message):
     result = _cli(*args)

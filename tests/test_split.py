@@ -195,6 +195,15 @@ def test_inspect_cli_prints_the_split(tmp_path):
     assert "model.layers.0.self_attn.q_proj.weight" in out and "muon" in out
     assert "lm_head.weight" in out and "output embedding" in out
     assert "optimizer state" in out.lower()
+    # mistakes end with a message, not a traceback (a bad regex, one that matches nothing, no model_type)
+    for args, message in ((["--force_muon", "("], "missing ), unterminated subpattern"),
+                          (["--force_adamw", "q_prj"], "force_adamw='q_prj' matches no parameter")):
+        run = hf_muon_cli("inspect", str(tmp_path), *args)
+        assert run.returncode == 2 and run.stderr.startswith("hf-muon inspect: ") and message in run.stderr, run.stderr
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    run = hf_muon_cli("inspect", str(tmp_path / "empty"))
+    assert run.returncode == 2 and "hf-muon inspect: Unrecognized model" in run.stderr, run.stderr
     minilm = hf_muon_cli("inspect", minilm_path())
     assert minilm.returncode == 0
     assert "embeddings.word_embeddings.weight" in minilm.stdout and "input embedding" in minilm.stdout

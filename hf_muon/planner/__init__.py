@@ -55,6 +55,9 @@ def plan_tensors(tensors: ModelTensors, layout: str, worlds: list[int], accelera
     for world in worlds:
         if not isinstance(world, int) or world < 1:
             raise ValueError(f"world sizes must be integers >= 1, got {world!r}")
+    steps = options.get("ns_steps", DEFAULT_NS_STEPS)
+    if not (isinstance(steps, int) and 1 <= steps < 100):  # as hf_muon.Muon takes them
+        raise ValueError(f"ns_steps must be an integer in [1, 100), got {steps!r}")
     device = accelerator(accelerator_name)
     link = interconnect(interconnect_name, link_gbs, latency_us)
     run_dtype, plan_dtype = _ns_dtypes(ns_dtype, device == CPU)
@@ -68,7 +71,6 @@ def plan_tensors(tensors: ModelTensors, layout: str, worlds: list[int], accelera
             if threads not in measured:
                 from .measure import measure_cpu
 
-                steps = options.get("ns_steps", DEFAULT_NS_STEPS)
                 measured[threads] = measure_cpu(_matrix_shapes(tensors), steps, run_dtype, threads)
             rank_device = measured[threads]
         else:

@@ -106,5 +106,7 @@ def interconnect(name: str, link_gbs: float | None = None, latency_us: float | N
             raise ValueError(f"--link_gbs must be > 0, got {link_gbs}")
         preset = replace(preset, name=f"{name} at {link_gbs:g} GB/s", bandwidth=link_gbs * G)
     if latency_us is not None:
+        if not 0 <= latency_us < float("inf"):
+            raise ValueError(f"--latency_us must be a number >= 0, got {latency_us}")
         preset = replace(preset, latency=latency_us * 1e-6)
     return preset
