@@ -90,6 +90,41 @@ def test_hooks_measure_each_micro_batch_and_undo_accumulation_in_a_plain_loop():
     noise.detach()
 
 
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_grad_scalers_loss_scale_is_taken_out(unscale_first):
+    """fp16's usual loop unscales before clipping (``scaler.unscale_``): |G_big| was unscaled and the
+    micro-batch norms not, so the noise scale read inf and the multiplier sat at its lower bound."""
+    from hf_muon import Muon
+
+    gas, mb = 2, 2
+    torch.manual_seed(1)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (mb, 16))), "labels": ids} for _ in range(gas)]
+
+    def norms(scaler, pass_scaler=True):
+        model = tiny_llama()
+        optimizer = Muon(model, lr=0.0)
+        noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas,
+                                   grad_scaler=scaler if pass_scaler else None).attach()
+        for b in batches:
+            loss = model(**b).loss / gas
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler is None:
+            optimizer.step()
+        else:
+            if unscale_first:
+                scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+        return noise.last_norms
+
+    plain = norms(None)
+    scaled = norms(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    factor = 1.0 if unscale_first else 1024.0**2  # without unscale_ both norms are scaled: the ratio holds
+    assert scaled == pytest.approx((plain[0] * factor, plain[1] * factor), rel=1e-4)
+    if unscale_first:
+        with pytest.raises(RuntimeError, match="pass grad_scaler=scaler"):
+            norms(torch.amp.GradScaler("cpu", init_scale=1024.0), pass_scaler=False)
+
+
 def test_hooks_under_the_trainer_undo_its_loss_scaling_exactly(tmp_path):
     # Trainer (transformers 5.x) normalizes each micro-batch's token-sum loss by the step's token count:
     # equal tokens per micro-batch make that mean loss / GAS; the hooks must give the manual figures.

@@ -52,7 +52,9 @@ def attach(trainer: Any) -> None:
     args = trainer.args
     noise = GradientNoiseScale(trainer.model_wrapped, muon, micro_batch_size=args.per_device_train_batch_size,
                                accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size,
-                               max_grad_norm=args.max_grad_norm or None).attach()
+                               max_grad_norm=args.max_grad_norm or None,
+                               # fp16: Trainer unscales before clipping (Accelerate's GradScaler)
+                               grad_scaler=getattr(trainer.accelerator, "scaler", None)).attach()
     pending = getattr(muon, "pending_noise_state", None)
     if pending is not None and pending.state is not None:
         noise.load_state_dict(pending.state)

@@ -28,7 +28,9 @@ per group, and the lr must be set before the first one).
 Gradient scaling undone: the hooks see ``dL_i/dθ / GAS`` for micro-batch ``i`` (Trainer: loss / GAS,
 or token sum / global token count x W with equal tokens per micro-batch; DeepSpeed's
 ``engine.backward``: loss / GAS), so they multiply by ``GAS``. A common factor on both norms (fp16
-loss scaling seen by both) cancels in ``B_noise``.
+loss scaling seen by both) cancels in ``B_noise``; where ``scaler.unscale_`` ran before ``step()``
+(clipping) only ``|G_big|`` is unscaled, and the ``grad_scaler`` given takes the scale out of
+``|G_small|``.
 
 Supported: one process with GAS >= 2, DDP (any GAS), DeepSpeed ZeRO-1/2 in fp32/bf16. Refused with a
 message: FSDP2 (its sharded parameters' hooks see the reduce-scattered gradient, not a rank's
@@ -115,6 +117,9 @@ class GradientNoiseScale:
             default is 1.0), else no clipping; 0: no clipping.
         adapt_lr: ``False`` measures only (the multiplier is computed but not applied).
         process_group: the data-parallel group (``None``: the default world).
+        grad_scaler: the ``torch.amp.GradScaler`` of an fp16 loop that calls ``scaler.unscale_`` before
+            ``step()`` (to clip): its scale is taken out of the micro-batch norms. Without it such a
+            step raises; a loop that does not unscale first needs none (the scale cancels).
 
     Attributes:
         steps: optimizer steps seen. measured_steps: steps that entered the estimate.
@@ -128,7 +133,7 @@ class GradientNoiseScale:
     def __init__(self, model: nn.Module, optimizer: Optimizer, micro_batch_size: int, accumulation_steps: int = 1,
                  world_size: int | None = None, *, ema: float = 0.95, bounds: tuple[float, float] = (0.5, 2.0),
                  warmup_steps: int = 10, max_grad_norm: float | None = None, adapt_lr: bool = True,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, grad_scaler: Any = None) -> None:
         if world_size is None:
             world_size = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
         if micro_batch_size < 1 or accumulation_steps < 1 or world_size < 1:
@@ -159,6 +164,8 @@ class GradientNoiseScale:
             max_grad_norm = float(engine_clipping())
         self.max_grad_norm = max_grad_norm or None
         self.adapt_lr = adapt_lr
+        self.grad_scaler = grad_scaler
+        self._small_scale_sq = 1.0  # the loss scale squared, where a GradScaler unscaled |G_big| alone
         self.process_group = process_group
         # smoothed estimates; the weight makes the EMA unbiased (Adam-style bias correction)
         self.steps = 0
@@ -259,6 +266,16 @@ class GradientNoiseScale:
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         from ..distributed.sharding import is_dtensor, local
 
+        # GradScaler.step sets grad_scale to None when scaler.unscale_ already ran (clipping): the
+        # gradients here are unscaled, the micro-batch ones the hooks saw were not
+        if hasattr(optimizer, "found_inf") and getattr(optimizer, "grad_scale", None) is None:
+            if self.grad_scaler is None:
+                raise RuntimeError(
+                    "GradientNoiseScale: a GradScaler unscaled the gradients before step() (scaler.unscale_, e.g. "
+                    "to clip them), but the micro-batch gradients were measured loss-scaled: pass "
+                    "grad_scaler=scaler so their scale is taken out")
+            self._small_scale_sq = float(self.grad_scaler.get_scale()) ** 2
+
         if not hasattr(self, "_model_tensor_ids"):
             self._model_tensor_ids = {id(p) for p in self.model.parameters()}
         groups = optimizer.param_groups
@@ -326,6 +343,7 @@ class GradientNoiseScale:
                     "checkpointing, which runs several backward passes per micro-batch: use use_reentrant=False).")
             return
         small_sq = small_total * self.accumulation_steps**2 / expected  # undo the 1/GAS, mean over micro-batches
+        small_sq, self._small_scale_sq = small_sq / self._small_scale_sq, 1.0
         if not (math.isfinite(small_sq) and math.isfinite(big_sq)):
             self.skipped_steps += 1
             return
