@@ -465,6 +465,16 @@ def test_groups_added_later_follow_adamw_lr_and_the_naming():
         unnamed.add_param_group({"params": [nn.Parameter(torch.randn(4))], "param_names": ["s"]})
 
 
+def test_a_state_of_the_other_construction_says_so():
+    # the message blamed force_muon/force_adamw: the groups only came in another order
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = Muon(model)
+    model[2](model[1](model[0](torch.tensor([1, 2])))).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"same param groups in another order \(\['muon', 'adamw'\] when saved"):
+        Muon(model.parameters()).load_state_dict(opt.state_dict())
+
+
 def test_comm_dtype_is_checked_up_front():
     assert Muon(nn.Linear(4, 4), comm_dtype="bf16").comm_dtype == torch.bfloat16
     assert Muon(nn.Linear(4, 4), comm_dtype=torch.float16).comm_dtype == torch.float16

@@ -713,6 +713,15 @@ class Muon(Optimizer):
         if len(saved) != len(self.param_groups):
             raise ValueError(f"hf_muon.Muon.load_state_dict: the state has {len(saved)} param groups, this optimizer "
                              f"{len(self.param_groups)}: it was saved from another model or parameter split")
+        def kinds(groups: list[dict]) -> list[tuple]:
+            return [(g.get("algorithm"), len(g["params"])) for g in groups]
+
+        was, now = kinds(saved), kinds(self.param_groups)
+        if was != now and sorted(was, key=str) == sorted(now, key=str):
+            raise ValueError("hf_muon.Muon.load_state_dict: the state holds the same param groups in another order "
+                             f"({[k[0] for k in was]} when saved, {[k[0] for k in now]} now): Muon(model) puts the "
+                             "Muon group first, Muon(model.parameters()) keeps the parameters' order. Build the "
+                             "optimizer the way it was built when the state was saved")
         for i, (old, new) in enumerate(zip(saved, self.param_groups)):
             if old.get("algorithm", new["algorithm"]) != new["algorithm"]:
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} was {old['algorithm']} when saved and is "
