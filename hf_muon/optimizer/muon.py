@@ -713,6 +713,7 @@ class Muon(Optimizer):
         if len(saved) != len(self.param_groups):
             raise ValueError(f"hf_muon.Muon.load_state_dict: the state has {len(saved)} param groups, this optimizer "
                              f"{len(self.param_groups)}: it was saved from another model or parameter split")
+
         def kinds(groups: list[dict]) -> list[tuple]:
             return [(g.get("algorithm"), len(g["params"])) for g in groups]
 
@@ -834,8 +835,8 @@ class Muon(Optimizer):
             return None
         dtype = _NS_DTYPES.get(comm_dtype) if isinstance(comm_dtype, str) else comm_dtype
         if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            raise ValueError(f"comm_dtype must be None (the widest of the updates' dtypes), a floating torch dtype or one of "
-                             f"{sorted(_NS_DTYPES)}, got {comm_dtype!r}")
+            raise ValueError(f"comm_dtype must be None (the widest of the updates' dtypes), a floating torch dtype "
+                             f"or one of {sorted(_NS_DTYPES)}, got {comm_dtype!r}")
         return dtype
 
     @staticmethod

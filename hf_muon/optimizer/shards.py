@@ -10,7 +10,6 @@ turns all three into the same :class:`Shard`; :class:`PendingState` goes the oth
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
