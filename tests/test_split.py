@@ -159,20 +159,16 @@ def test_regex_overrides():
         split_parameters(model, force_adamw="q_prj")
 
 
-def test_a_wrapped_model_is_split_as_the_model(monkeypatch):
+def test_a_wrapped_model_is_split_as_the_model(tmp_path):
     """Muon(DDP(model).parameters()), the order of PyTorch's tutorial: the wrapper forwards no accessor,
     so the untied LM head went to Muon silently, and Phi-3's fused blocks failed on config=None."""
     import torch.distributed as dist
 
-    from hf_muon.launching import free_port
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     cfg = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                   pad_token_id=0)
     model = transformers.Phi3ForCausalLM(cfg)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         wrapped = nn.parallel.DistributedDataParallel(model)
         assert split_parameters(wrapped).algorithm_of() == split_parameters(model).algorithm_of()
