@@ -75,9 +75,9 @@ def build_param_groups(
     :func:`split_parameters` on ``model`` (or the module behind ``params``); without a model,
     every tensor of 2 or more dimensions goes to Muon and a warning says how to do better.
     """
-    model = unwrap(model) if model is not None else module_behind(params)
+    model = model if model is not None else module_behind(params)  # split_parameters unwraps
     if isinstance(params, nn.Module):
-        split = split_parameters(unwrap(params), force_muon, force_adamw)
+        split = split_parameters(params, force_muon, force_adamw)  # it looks through wrappers
         return split.param_groups()
     groups = _as_group_dicts(params)
     table = split_parameters(model, force_muon, force_adamw).algorithm_of() if model is not None else None

@@ -82,6 +82,7 @@ ADJUST_LR_RULES = ("match_rms_adamw", "original")
 _NS_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
               "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
               "fp64": torch.float64}
+_FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # what ns_dtype and comm_dtype take
 
 
 def ns_dtype_name(ns_dtype: torch.dtype | str | None) -> str | None:
@@ -132,7 +133,7 @@ def resolve_ns_dtype(ns_dtype: torch.dtype | str | None, device: torch.device | 
         if ns_dtype not in _NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {sorted(_NS_DTYPES)} or a torch dtype, got {ns_dtype!r}")
         return _NS_DTYPES[ns_dtype]
-    if ns_dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+    if ns_dtype not in _FLOATING:
         raise ValueError(f"ns_dtype must be a floating dtype, got {ns_dtype}")
     return ns_dtype
 
@@ -834,7 +835,7 @@ class Muon(Optimizer):
         if comm_dtype is None:
             return None
         dtype = _NS_DTYPES.get(comm_dtype) if isinstance(comm_dtype, str) else comm_dtype
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        if dtype not in _FLOATING:
             raise ValueError(f"comm_dtype must be None (the widest of the updates' dtypes), a floating torch dtype "
                              f"or one of {sorted(_NS_DTYPES)}, got {comm_dtype!r}")
         return dtype
