@@ -3,6 +3,7 @@ attention), the update of each block is Newton–Schulz of that block alone, and
 ZeRO-3 and FSDP2 (see test_distributed.py / test_zero.py for the launches)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -155,6 +156,58 @@ def test_blocks_of_other_shapes_get_their_own_learning_rate_scale():
     opt.step()
     for part, grad_part, (rows, cols) in zip(blocks.split(-w.detach()), blocks.split(g), blocks.shapes((64, 64))):
         torch.testing.assert_close(part, lr_scale(rows, cols, "original") * orthogonalize(grad_part, 5, "quintic", torch.float32))
+
+
+@pytest.mark.parametrize("construction", ["model", "parameters", "model="])
+def test_conv1d_weights_take_the_original_scale_by_their_outputs(construction):
+    """transformers' Conv1D stores [in, out]: adjust_lr="original" (sqrt(max(1, fan_out / fan_in))) read
+    its rows as outputs and gave GPT-2's c_fc (d -> 4d) 1 instead of 2 and c_proj (4d -> d) 2 instead
+    of 1; an nn.Linear of the same map gets the same update, transposed."""
+    model = tiny("gpt2")
+    mlp = model.transformer.h[0].mlp
+    linear = torch.nn.Sequential(torch.nn.Linear(D, 4 * D, bias=False), torch.nn.Linear(4 * D, D, bias=False))
+    with torch.no_grad():
+        linear[0].weight.copy_(mlp.c_fc.weight.T)
+        linear[1].weight.copy_(mlp.c_proj.weight.T)
+    kwargs = dict(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, ns_dtype=torch.float32,
+                  adjust_lr="original", ns_split="none")
+    params = {"model": model, "parameters": model.parameters(), "model=": list(model.parameters())}[construction]
+    opt = Muon(params, **({"model": model} if construction == "model=" else {}), **kwargs)
+    theirs = Muon(linear, **kwargs)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    for conv, lin in zip((mlp.c_fc, mlp.c_proj), linear):
+        lin.weight.grad = conv.weight.grad.T.clone()
+    before = [w.detach().clone() for w in (mlp.c_fc.weight, mlp.c_proj.weight, model.transformer.h[0].attn.c_attn.weight)]
+    opt.step()
+    theirs.step()
+    for conv, lin, fan_out, fan_in in ((mlp.c_fc, linear[0], 4 * D, D), (mlp.c_proj, linear[1], D, 4 * D)):
+        torch.testing.assert_close(conv.weight.detach().T, lin.weight.detach(), rtol=1e-5, atol=1e-6)
+        update = conv.weight.detach() - before[(mlp.c_fc, mlp.c_proj).index(conv)]
+        expected = -math.sqrt(max(1.0, fan_out / fan_in)) * orthogonalize(conv.weight.grad, 5, "quintic", torch.float32)
+        torch.testing.assert_close(update, expected, rtol=1e-4, atol=1e-6)
+    # c_attn (d -> 3d, ns_split="none": whole): sqrt(3)
+    c_attn = model.transformer.h[0].attn.c_attn.weight
+    expected = -math.sqrt(3.0) * orthogonalize(c_attn.grad, 5, "quintic", torch.float32)
+    torch.testing.assert_close(c_attn.detach() - before[2], expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_group_added_later_gets_its_fused_blocks_and_orientation():
+    """The model was dropped after construction, so a group added later was orthogonalized whole (and
+    read [out, in])."""
+    model = tiny("gpt2")
+    attn, mlp = model.transformer.h[0].attn, model.transformer.h[0].mlp
+    opt = Muon([{"params": [mlp.c_proj.weight], "algorithm": "muon"}], model=model, adjust_lr="original")
+    assert opt.fused_blocks() == {}
+    opt.add_param_group({"params": [attn.c_attn.weight, mlp.c_fc.weight], "algorithm": "muon"})
+    assert list(opt.fused_blocks()) == ["transformer.h.0.attn.c_attn.weight"]
+    assert opt._group_in_by_out == [[True], [True, True]]
+    del model, attn, mlp
+    import gc
+
+    gc.collect()  # the optimizer does not keep the model alive
+    assert opt._source_model() is None
 
 
 def test_trainer_reads_blocks_and_ns_split_option(tmp_path):

@@ -12,6 +12,7 @@ import inspect
 import logging
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -30,7 +31,7 @@ from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SET
                                      default_ns_steps, orthogonalize)
 from ..models.fused import NS_SPLITS, Blocks, block_shapes, fused_blocks
 from .groups import build_param_groups, module_behind, validate_group
-from .param_split import MUON, shape_of, unwrap
+from .param_split import MUON, shape_of, stored_in_by_out, unwrap
 from .shards import PendingState
 from .summary import describe_optimizer
 from .telemetry import Stopwatch, StepFigures, Telemetry
@@ -92,11 +93,11 @@ def ns_dtype_name(ns_dtype: torch.dtype | str | None) -> str | None:
 
 
 def lr_scale(rows: int, cols: int, rule: str) -> float:
-    """Factor on the learning rate for a ``rows x cols`` orthogonalized update.
+    """Factor on the learning rate for a ``rows x cols`` orthogonalized update, ``rows`` its outputs.
 
     ``match_rms_adamw`` (Moonshot): ``0.2 * sqrt(max(rows, cols))`` gives the update the RMS an
     AdamW update has, so AdamW's lr and weight decay carry over. ``original`` (Keller Jordan):
-    ``sqrt(max(1, rows / cols))``.
+    ``sqrt(max(1, rows / cols))``, fan-out over fan-in.
     """
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
@@ -203,10 +204,13 @@ def orthogonalize_all(
     return out
 
 
-def block_lr_scales(shape: tuple[int, ...], blocks: Blocks, rule: str) -> tuple[float, list[float] | None]:
+def block_lr_scales(shape: tuple[int, ...], blocks: Blocks, rule: str,
+                    in_by_out: bool = False) -> tuple[float, list[float] | None]:
     """A fused tensor's learning-rate scale (its first block's) and each block's relative to it
-    (``None`` when all blocks share it): each block is a matrix of its own shape."""
-    scales = [lr_scale(rows, cols, rule) for rows, cols in blocks.shapes(shape)]
+    (``None`` when all blocks share it): each block is a matrix of its own shape (``in_by_out``: the
+    tensor is stored ``[in, out]``, as transformers' ``Conv1D``)."""
+    shapes = [(cols, rows) if in_by_out else (rows, cols) for rows, cols in blocks.shapes(shape)]
+    scales = [lr_scale(rows, cols, rule) for rows, cols in shapes]
     relative = [s / scales[0] for s in scales]
     return scales[0], (relative if any(r != 1.0 for r in relative) else None)
 
@@ -233,19 +237,20 @@ class MuonUpdate:
         ns_dtype: torch.dtype | str | None, adjust_lr: str, stacked: bool,
         ns_precondition: str = DEFAULT_NS_PRECONDITION, shapes: list[tuple[int, ...]] | None = None,
         orthogonalize_fn: OrthogonalizeFn | None = None, blocks: list[Blocks | None] | None = None,
-        figures: StepFigures | None = None,
+        figures: StepFigures | None = None, in_by_out: list[bool] | None = None,
     ) -> "MuonUpdate":
         """Update the momentum buffers and blend them (see :func:`muon_update` for the arguments)."""
         shapes = shapes or [tuple(p.shape) for p in params]
         blocks = blocks if blocks is not None else [None] * len(params)
+        in_by_out = in_by_out if in_by_out is not None else [False] * len(params)
         scales, relative = [], []
-        for shape, cut in zip(shapes, blocks):
+        for shape, cut, transposed in zip(shapes, blocks, in_by_out):
             if cut is None:
                 _, rows, cols = as_matrices(torch.empty(shape, device="meta"), stacked).shape
-                scales.append(lr_scale(rows, cols, adjust_lr))
+                scales.append(lr_scale(*((cols, rows) if transposed else (rows, cols)), adjust_lr))
                 relative.append(None)
             else:
-                scale, rel = block_lr_scales(shape, cut, adjust_lr)
+                scale, rel = block_lr_scales(shape, cut, adjust_lr, transposed)
                 scales.append(scale)
                 relative.append(rel)
         if params:
@@ -338,6 +343,7 @@ def muon_update(
     orthogonalize_fn: OrthogonalizeFn | None = None,
     blocks: list[Blocks | None] | None = None,
     figures: StepFigures | None = None,
+    in_by_out: list[bool] | None = None,
 ) -> None:
     """One Muon step on ``params`` in place (the functional form of :class:`Muon`'s Muon half).
 
@@ -346,8 +352,10 @@ def muon_update(
     pieces as whole tensors (see ``hf_muon.distributed``). Everything else is element-wise.
     ``orthogonalize_fn`` replaces :func:`hf_muon.kernels.orthogonalize` (same signature).
     ``blocks[i]`` cuts tensor ``i`` (a fused projection) into the matrices orthogonalized, each with
-    the learning-rate scale of its own shape (see :mod:`hf_muon.models.fused`). ``figures`` records
-    what this rank orthogonalized (see :mod:`hf_muon.optimizer.telemetry`).
+    the learning-rate scale of its own shape (see :mod:`hf_muon.models.fused`). ``in_by_out[i]``:
+    tensor ``i`` is stored ``[in, out]`` (transformers' ``Conv1D``), so ``adjust_lr="original"``
+    reads its fan-out from its columns. ``figures`` records what this rank orthogonalized (see
+    :mod:`hf_muon.optimizer.telemetry`).
     """
     if not params:
         return
@@ -355,7 +363,7 @@ def muon_update(
         params, grads, momentum_buffers, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
         ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, stacked=stacked,
         ns_precondition=ns_precondition, shapes=shapes, orthogonalize_fn=orthogonalize_fn, blocks=blocks,
-        figures=figures)
+        figures=figures, in_by_out=in_by_out)
     update.apply(orthogonalize_updates([update], exchange)[0])
 
 
@@ -399,7 +407,8 @@ class Muon(Optimizer):
             gradient-like matrices; see :func:`hf_muon.kernels.orthogonalize`).
         ns_dtype: dtype Newton–Schulz runs in (a torch dtype or its name; groups keep the name);
             ``None``: bfloat16 on accelerators and on CPUs with native bf16 matmul, float32 on other CPUs.
-        adjust_lr: ``"match_rms_adamw"`` or ``"original"``.
+        adjust_lr: ``"match_rms_adamw"`` or ``"original"`` (``sqrt(max(1, fan_out / fan_in))``; a
+            transformers ``Conv1D`` weight, stored ``[in, out]``, is read so where the model is known).
         betas, eps: AdamW's.
         adamw_lr: learning rate of the AdamW half; ``None`` means ``lr``.
         model: the model ``params`` come from, when it cannot be found from ``params`` itself.
@@ -512,20 +521,22 @@ class Muon(Optimizer):
         self._backend_groups: set[int] = set()  # matrices_index of groups a backend holds as flat partitions
         # (matrices_index, data_ptr, numel) of each flat tensor seen -> (the flat, its partition)
         self._partitions: dict[tuple[int, int, int], tuple[Tensor, FlatPartition]] = {}
-        # per flat partition and plan: (its exchange, its tensors' shapes, their blocks)
+        # per flat partition and plan: (its exchange, its tensors' shapes, their blocks, their orientations)
         self._partition_exchanges: dict[tuple, tuple[Exchange, list, list]] = {}
         # per family of Muon groups of whole or FSDP2 tensors that share an exchange (see
         # _whole_tensors_step): (what its plan depends on, its exchange or None)
         self._group_exchanges: dict[tuple, tuple[tuple, Exchange | None]] = {}
         # state read from a portable checkpoint, put into flat partitions' state as step() creates it
         self._pending_state: PendingState | None = None
-        # Fused projections' blocks, by the model tensor (see hf_muon.models.fused); each group's list
-        # follows _group_tensors. Without the model nothing can be read: whole matrices.
+        # Fused projections' blocks, by the model tensor (see hf_muon.models.fused), and whether each
+        # tensor is stored [in, out] (Conv1D); each group's lists follow _group_tensors. Without the
+        # model nothing can be read: whole matrices stored [out, in]. The model is not kept alive.
         self._fused: dict[str, dict[int, tuple[str, Blocks]]] = {}
-        self._source_model = source_model
+        self._source_model = weakref.ref(source_model) if source_model is not None else None
         self._group_blocks: list[list[Blocks | None]] = []
+        self._group_in_by_out: list[list[bool]] = []
+        self._model_tensors: set[int] = set()  # id of each model tensor when the blocks were read
         super().__init__(groups, defaults)
-        self._source_model = None  # not kept alive by the optimizer
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
         self.comm_dtype = comm_dtype
@@ -624,6 +635,7 @@ class Muon(Optimizer):
         self._group_tensors.append(list(group["params"]))
         self._group_tensor_ids.append({id(t) for t in group["params"]})
         self._group_blocks.append(self._blocks_of(group))
+        self._group_in_by_out.append(self._in_by_out_of(group))
 
     def _attach_qk_clip(self, model: nn.Module | None, tau: float) -> Any:
         from ..models.qk_clip import QKClip
@@ -643,13 +655,24 @@ class Muon(Optimizer):
 
     def _blocks_of(self, group: dict) -> list[Blocks | None]:
         """The blocks of each of a new group's tensors (``None``: orthogonalized whole)."""
-        if group["algorithm"] != MUON or group.get("stacked") or self._source_model is None:
+        model = self._source_model() if self._source_model is not None else None
+        if group["algorithm"] != MUON or group.get("stacked") or model is None:
             return [None] * len(group["params"])
         split = group["ns_split"]
-        if split not in self._fused:
-            self._fused[split] = fused_blocks(self._source_model, split)
+        if split not in self._fused or not self._model_tensors.issuperset(map(id, group["params"])):
+            # read once per split, and again for a group of tensors added to the model later
+            self._model_tensors = {id(p) for p in model.parameters()}
+            self._fused[split] = {**self._fused.get(split, {}), **fused_blocks(model, split)}
         table = self._fused[split]
         return [table[id(p)][1] if id(p) in table else None for p in group["params"]]
+
+    def _in_by_out_of(self, group: dict) -> list[bool]:
+        """Whether each of a new group's tensors is stored ``[in, out]`` (transformers' ``Conv1D``)."""
+        model = self._source_model() if self._source_model is not None else None
+        if group["algorithm"] != MUON or model is None:
+            return [False] * len(group["params"])
+        transposed = stored_in_by_out(model)
+        return [id(p) in transposed for p in group["params"]]
 
     def fused_blocks(self) -> dict[str, Blocks]:
         """``parameter name -> Blocks`` of every Muon tensor orthogonalized block by block."""
@@ -772,7 +795,7 @@ class Muon(Optimizer):
             self.skipped_steps += 1
             warnings.warn(f"hf_muon.Muon skipped a step with non-finite gradients ({self.skipped_steps} so far)")
             return loss
-        whole: list[tuple[dict, list[Tensor], list[Blocks | None]]] = []
+        whole: list[tuple[dict, list[Tensor], list[Blocks | None], list[bool]]] = []
         for group in self.param_groups:
             self._telemetry.lrs[group["matrices_index"]] = group["lr"]
             if group["algorithm"] != MUON:
@@ -782,22 +805,24 @@ class Muon(Optimizer):
             if with_grad and with_grad[0].ndim == 1:
                 self._flat_partition_step(group, with_grad)
             else:
-                blocks = [cut for p, cut in zip(group["params"], self._group_blocks[group["matrices_index"]])
-                          if p.grad is not None]
-                whole.append((group, with_grad, blocks))
+                index = group["matrices_index"]
+                has_grad = [p.grad is not None for p in group["params"]]
+                whole.append((group, with_grad,
+                              [cut for cut, kept in zip(self._group_blocks[index], has_grad) if kept],
+                              [t for t, kept in zip(self._group_in_by_out[index], has_grad) if kept]))
         self._whole_tensors_step(whole)
         return loss
 
-    def _whole_tensors_step(self, groups: list[tuple[dict, list[Tensor], list[Blocks | None]]]) -> None:
-        """The Muon groups of whole or FSDP2 tensors (with the tensors that have gradients and their
-        blocks). Groups whose owner plans cost alike (same process group, Newton–Schulz steps and
+    def _whole_tensors_step(self, groups: list[tuple[dict, list[Tensor], list[Blocks | None], list[bool]]]) -> None:
+        """The Muon groups of whole or FSDP2 tensors (with the tensors that have gradients, their
+        blocks and orientations). Groups whose owner plans cost alike (same process group, Newton–Schulz steps and
         dtype; stacked experts or not) share one exchange: one plan and one pipeline of collectives
         for all of them. Groups one after another would each wait for their busiest owner, so one
         group per layer (per-layer learning rates) of Llama-3-8B at 64 ranks would put 123 TFLOP of
         Newton–Schulz on the step's critical path instead of 8. In one process they share
         Newton–Schulz batches the same way."""
-        families: dict[tuple, list[tuple[dict, list[Tensor], list[Blocks | None]]]] = {}
-        for group, with_grad, blocks in groups:
+        families: dict[tuple, list[tuple[dict, list[Tensor], list[Blocks | None], list[bool]]]] = {}
+        for group, with_grad, blocks, in_by_out in groups:
             for p in with_grad:
                 if p.ndim < 2:
                     raise RuntimeError(
@@ -816,16 +841,16 @@ class Muon(Optimizer):
                                  "holds only pieces of the matrices, and Newton–Schulz of a piece is not a piece of "
                                  "the whole's. Leave distributed=True.")
             family = (group["ns_steps"], plan_ns_dtype(group["ns_dtype"]), mesh)
-            families.setdefault(family, []).append((group, with_grad, blocks))
+            families.setdefault(family, []).append((group, with_grad, blocks, in_by_out))
         for family, members in families.items():
-            tensors = [p for _, with_grad, _ in members for p in with_grad]
+            tensors = [p for _, with_grad, *_ in members for p in with_grad]
             exchange = self._exchange_for(family, members, tensors) if self.distributed and tensors else None
             replicated = (exchange is None and dist.is_available() and dist.is_initialized()
                           and dist.get_world_size() > 1)
             self._apply_muon(
                 [(group, [local(p) for p in with_grad], [local(p.grad) for p in with_grad],
                   [local(self.state[p]["momentum_buffer"]) for p in with_grad], [tuple(p.shape) for p in with_grad],
-                  blocks, (group["matrices_index"], None)) for group, with_grad, blocks in members],
+                  blocks, in_by_out, (group["matrices_index"], None)) for group, with_grad, blocks, in_by_out in members],
                 exchange, replicated,
             )
 
@@ -882,16 +907,16 @@ class Muon(Optimizer):
 
         return measured
 
-    def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None]]],
+    def _exchange_for(self, family: tuple, members: list[tuple[dict, list[Tensor], list[Blocks | None], list[bool]]],
                       tensors: list[Tensor]) -> Exchange | None:
         """The exchange for a family of groups' tensors that have gradients (``members`` as
         :meth:`_whole_tensors_step` has them; ``tensors``: theirs in order), planned again only when
         what the plan depends on changes (the tensors, the settings): planning every step cost
         tenths of a second at scale."""
         group = members[0][0]
-        stacked = [g["stacked"] for g, with_grad, _ in members for _ in with_grad]
+        stacked = [g["stacked"] for g, with_grad, *_ in members for _ in with_grad]
         blocks = [block_shapes(tuple(p.shape), cut)
-                  for _, with_grad, cuts in members for p, cut in zip(with_grad, cuts)]
+                  for _, with_grad, cuts, _ in members for p, cut in zip(with_grad, cuts)]
         plan_dtype = plan_ns_dtype(group["ns_dtype"])
         depends_on = (tuple((id(p), tuple(p.shape), is_dtensor(p), s, b) for p, s, b in zip(tensors, stacked, blocks)),
                       group["ns_steps"], plan_dtype, self.bucket_bytes, self.comm_dtype, self.overlap_exchange,
@@ -925,17 +950,17 @@ class Muon(Optimizer):
             plan_key = (*key, group["ns_steps"], plan_dtype, self.overlap_exchange, self.bucket_bytes,
                         self.comm_dtype, self.exchange_flops_per_byte, id(self.exchange_stats))
             if plan_key not in self._partition_exchanges:
-                blocks = self._partition_blocks(group, part)
+                blocks, in_by_out = self._partition_forms(group, part)
                 layouts = with_blocks(list(part.layouts), [block_shapes(layout.shape, cut)
                                                            for layout, cut in zip(part.layouts, blocks)])
                 self._partition_exchanges[plan_key] = (
                     exchange_over(layouts, part.group, part.rank, part.world, group["ns_steps"],
                                   self.exchange_stats, self.bucket_bytes, self.comm_dtype, plan_dtype,
                                   self.overlap_exchange, self._flops_per_byte(group, flat.device)),
-                    [layout.shape for layout in part.layouts], blocks)
-            exchange, shapes, blocks = self._partition_exchanges[plan_key]
+                    [layout.shape for layout in part.layouts], blocks, in_by_out)
+            exchange, shapes, blocks, in_by_out = self._partition_exchanges[plan_key]
             self._apply_muon([(group, pieces(flat), pieces(flat.grad), pieces(state["momentum_buffer"]), shapes,
-                               blocks, key)], exchange)
+                               blocks, in_by_out, key)], exchange)
 
     def _partition_of(self, group: dict, flat: Tensor) -> FlatPartition:
         """The partition ``flat`` (a backend's flat tensor standing in for the group's tensors) is,
@@ -969,23 +994,29 @@ class Muon(Optimizer):
                              f"{part.backend} leave process_group unset: its own group is used")
         return part
 
-    def _partition_blocks(self, group: dict, part: FlatPartition) -> list[Blocks | None]:
-        """The blocks of each tensor of a flat partition, found by the model parameter it is."""
+    def _partition_forms(self, group: dict, part: FlatPartition) -> tuple[list[Blocks | None], list[bool]]:
+        """The blocks and the orientation (stored ``[in, out]``) of each tensor of a flat partition, found
+        by the model parameter it is."""
         index = group["matrices_index"]
-        by_tensor = {id(t): cut for t, cut in zip(self._group_tensors[index], self._group_blocks[index])}
+        tensors = self._group_tensors[index]
+        blocks = {id(t): cut for t, cut in zip(tensors, self._group_blocks[index])}
+        in_by_out = {id(t): transposed for t, transposed in zip(tensors, self._group_in_by_out[index])}
         if not part.params:
-            if any(by_tensor.values()):
+            unreadable = "fused projections cannot be cut in blocks; pass ns_split='none'" if any(blocks.values()) \
+                else "Conv1D weights cannot be read [in, out]; pass adjust_lr='match_rms_adamw'" \
+                if group["adjust_lr"] == "original" and any(in_by_out.values()) else None
+            if unreadable:
                 raise RuntimeError(f"hf_muon.Muon: {part.backend}'s partition does not say which parameters it holds, "
-                                   "so fused projections cannot be cut in blocks; pass ns_split='none'")
-            return [None] * len(part.layouts)
-        return [by_tensor.get(id(p)) for p in part.params]
+                                   f"so {unreadable}")
+            return [None] * len(part.layouts), [False] * len(part.layouts)
+        return [blocks.get(id(p)) for p in part.params], [in_by_out.get(id(p), False) for p in part.params]
 
-    def _apply_muon(self, members: list[tuple[dict, list, list, list, list, list[Blocks | None], tuple]],
+    def _apply_muon(self, members: list[tuple[dict, list, list, list, list, list[Blocks | None], list[bool], tuple]],
                     exchange: Exchange | None, replicated: bool = False) -> None:
         """Muon steps of one or more groups, each ``(group, params, grads, buffers, shapes, blocks,
-        figures key)``, their Newton–Schulz through ``exchange`` together (or locally)."""
+        in_by_out, figures key)``, their Newton–Schulz through ``exchange`` together (or locally)."""
         updates = []
-        for group, params, grads, buffers, shapes, blocks, key in members:
+        for group, params, grads, buffers, shapes, blocks, in_by_out, key in members:
             figures = self._telemetry.begin(key) if self.telemetry_enabled else None
             if figures is not None:
                 figures.replicated = replicated
@@ -994,7 +1025,7 @@ class Muon(Optimizer):
                 momentum=group["momentum"], nesterov=group["nesterov"], ns_steps=group["ns_steps"],
                 ns_coefficients=group["ns_coefficients"], ns_dtype=group["ns_dtype"], adjust_lr=group["adjust_lr"],
                 stacked=group["stacked"], ns_precondition=group["ns_precondition"], shapes=shapes,
-                orthogonalize_fn=self.orthogonalize_fn, blocks=blocks, figures=figures))
+                orthogonalize_fn=self.orthogonalize_fn, blocks=blocks, figures=figures, in_by_out=in_by_out))
         stats = self.exchange_stats
         sent = stats.bytes_sent + stats.bytes_received
         for update, ortho in zip(updates, orthogonalize_updates(updates, exchange)):

@@ -104,6 +104,13 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
     return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
 
 
+def stored_in_by_out(model: nn.Module) -> set[int]:
+    """``id`` of each weight ``model`` stores ``[in, out]`` (transformers' ``Conv1D``), not ``[out, in]``
+    as ``nn.Linear`` does: a rule on its shape (``adjust_lr="original"``'s fan-out over fan-in) must
+    read it transposed."""
+    return {id(module.weight) for module in model.modules() if _is_hf_conv1d(module)}
+
+
 def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tuple[str, str, bool]:
     """(algorithm, reason, stacked) for a parameter that lives in the model body."""
     kind = type(module).__name__

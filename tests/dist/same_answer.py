@@ -209,6 +209,8 @@ def arguments() -> argparse.ArgumentParser:
     # float64: the model, its updates and Newton–Schulz, so the two runs differ by float64 round-off
     # alone (short runs compare to a bound that holds on every CPU, whatever its fp32 kernels)
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    # "original": a Conv1D's (GPT-2's) scale is read from its columns, also from its FSDP2 shards
+    parser.add_argument("--adjust_lr", default="match_rms_adamw")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -221,7 +223,7 @@ def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
     batches = [torch.randint(0, 64, (8, 16)) for _ in range(args.steps)]
     # Newton–Schulz in the model's dtype, never the policy's bf16 (picked on CPUs with bf16 matmul): then
     # sharded and single-process runs agree to that dtype's round-off, and a larger gap is an exchange bug.
-    opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=dtype)
+    opt_kwargs = dict(lr=2e-2, weight_decay=0.1, ns_dtype=dtype, adjust_lr=args.adjust_lr)
 
     def params_of(model: nn.Module):
         if args.groups == "model":

@@ -47,7 +47,8 @@ def zero_config(stage: int, world: int, accumulation: int, dtype: str, sub_group
 
 def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: int, world: int,
               model_name: str = "block", sub_group_size: int | None = None,
-              exchange_flops_per_byte: float | str | None = None, round_robin: bool = False) -> dict:
+              exchange_flops_per_byte: float | str | None = None, round_robin: bool = False,
+              adjust_lr: str = "match_rms_adamw") -> dict:
     """``stage`` is 0-3, or "3init": ZeRO-3 with the model built under ``zero.Init`` (shapes hidden)."""
     import deepspeed
 
@@ -60,7 +61,8 @@ def run_stage(base, batches, stage: str, accumulation: int, dtype: str, rank: in
     else:
         model = copy.deepcopy(base)
     counting, calls = counting_newton_schulz()
-    opt = Muon(model, orthogonalize_fn=counting, exchange_flops_per_byte=exchange_flops_per_byte, **OPTIMIZER)
+    opt = Muon(model, orthogonalize_fn=counting, exchange_flops_per_byte=exchange_flops_per_byte, adjust_lr=adjust_lr,
+               **OPTIMIZER)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     calls["n"] = 0  # training steps only: FP16_UnfusedOptimizer runs one step inside initialize()
     for batch in batches:
@@ -91,6 +93,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--round_robin", action="store_true",
                         help="round_robin_gradients: hf_muon refuses it where DeepSpeed links parameters wrongly; "
                              "a refusal is recorded as the stage's figures")
+    # "original": a Conv1D's (GPT-2's) scale is read from its columns, which the partition must carry
+    parser.add_argument("--adjust_lr", default="match_rms_adamw")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -101,14 +105,14 @@ def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
     base = build(args.model)
     batches = [torch.randint(0, 64, (BATCH, 16)) for _ in range(args.steps)]
     reference = copy.deepcopy(base)
-    train(reference, Muon(reference, distributed=False, **OPTIMIZER), batches,
+    train(reference, Muon(reference, distributed=False, adjust_lr=args.adjust_lr, **OPTIMIZER), batches,
           reference_accumulation(args.model, world, args.accumulation), 0, 1)
 
     results = {}
     for stage in args.stages.split(","):
         try:
             r = run_stage(base, batches, stage, args.accumulation, args.dtype, rank, world, args.model,
-                          args.sub_group_size, args.exchange_flops_per_byte, args.round_robin)
+                          args.sub_group_size, args.exchange_flops_per_byte, args.round_robin, args.adjust_lr)
         except RuntimeError as error:  # every rank refuses at the same point (after the binding's all-gather)
             if not args.round_robin:
                 raise
