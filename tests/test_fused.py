@@ -136,6 +136,91 @@ def test_each_block_gets_newton_schulz_of_its_own_gradient(name):
     assert min(cosine(u, polar(g)) for u, g in zip(blocks.split(whole), blocks.split(grad))) < 0.95
 
 
+def tiny_moe(name: str) -> torch.nn.Module:
+    """One layer of a transformers 5 MoE with stacked experts: gate | up rows (Mixtral, Qwen3-MoE), gate |
+    up columns (Llama 4, used as x @ W[e]) or interleaved columns (GPT-OSS, with per-expert biases)."""
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    configs = {
+        "mixtral": lambda: T.MixtralConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **common),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(moe_intermediate_size=24, intermediate_size=48, num_experts=4,
+                                              num_experts_per_tok=2, **common),
+        "llama4": lambda: T.Llama4TextConfig(intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4,
+                                             **common),
+        "gpt_oss": lambda: T.GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **common),
+    }
+    torch.manual_seed(0)
+    return T.AutoModelForCausalLM.from_config(configs[name]())
+
+
+def expert_output(experts: torch.nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s output for tokens ``x`` ``[tokens, hidden]``, routing weight 1."""
+    with torch.no_grad():
+        if name == "llama4":  # inputs sorted per expert: [experts * tokens, hidden]
+            stacked = torch.zeros(experts.num_experts, *x.shape)
+            stacked[e] = x
+            return experts(stacked.view(-1, x.shape[1])).view(experts.num_experts, *x.shape)[e]
+        index, weight = torch.full((len(x), 1), e), torch.ones(len(x), 1)
+        return experts(x, index, weight)
+
+
+MOE = ["mixtral", "qwen3_moe", "llama4", "gpt_oss"]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_stacked_experts_gate_and_up_are_what_the_experts_read(name):
+    """Zero one expert's gate block (and its bias columns): that expert's output is its down bias alone
+    (act(0) = 0); a block that mixed gate and up columns would leave some of it."""
+    model = tiny_moe(name)
+    (param_name, blocks), = fused_blocks(model, "block").values()
+    assert blocks.names == ("gate", "up") and blocks.sizes() == [24, 24]
+    experts = model.get_submodule(param_name.rsplit(".", 1)[0])
+    x = torch.randn(5, 32)
+    e = 2
+    assert expert_output(experts, name, e, x).abs().max() > 1e-3
+    with torch.no_grad():
+        experts.gate_up_proj[e].index_fill_(blocks.axis, blocks.indices()[0], 0.0)
+        bias = getattr(experts, "gate_up_proj_bias", None)
+        if bias is not None:  # [experts, 2 * I]: the same columns
+            bias[e].index_fill_(0, blocks.indices()[0], 0.0)
+    down_bias = getattr(experts, "down_proj_bias", None)
+    expected = down_bias[e].detach().expand(5, -1) if down_bias is not None else torch.zeros(5, 32)
+    torch.testing.assert_close(expert_output(experts, name, e, x), expected)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_each_experts_gate_and_up_get_newton_schulz_of_their_own_gradient(name):
+    """Each expert's gate and up blocks (transformers 5 keeps them in one gate_up_proj matrix per expert)
+    are orthogonalized on their own, at their own shape's scale; GPT-OSS's per-expert biases go to AdamW."""
+    model = tiny_moe(name)
+    (param_name, blocks), = fused_blocks(model, "block").values()
+    update, grad, opt = one_step_update(model, "block", param_name)
+    assert list(opt.fused_blocks()) == [param_name]
+    for e in range(grad.shape[0]):
+        for u, g, (rows, cols) in zip(blocks.split(update[e]), blocks.split(grad[e]), blocks.shapes(tuple(grad.shape))):
+            expected = 0.1 * lr_scale(rows, cols, "match_rms_adamw") * orthogonalize(g, 5, "quintic", torch.float32)
+            torch.testing.assert_close(u, expected, rtol=1e-4, atol=1e-6)
+    muon = {id(p) for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    assert not any(id(p) in muon for n, p in model.named_parameters() if n.endswith("_bias"))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "llama4"])
+def test_experts_used_as_x_at_w_take_the_original_scale_by_their_outputs(name):
+    """Llama 4 stores its experts [in, out] (x @ W[e]): down_proj [I=24, H=32] maps 24 -> 32, so
+    adjust_lr="original" gives sqrt(32 / 24); Mixtral's [out, in] down_proj [32, 24] the same map."""
+    model = tiny_moe(name)
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    opt = Muon(model, lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0, ns_dtype=torch.float32,
+               adjust_lr="original")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = experts.down_proj.detach().clone()
+    opt.step()
+    expected = -math.sqrt(32 / 24) * orthogonalize(experts.down_proj.grad, 5, "quintic", torch.float32)
+    torch.testing.assert_close(experts.down_proj.detach() - before, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_blocks_of_other_shapes_get_their_own_learning_rate_scale():
     """Falcon's new architecture: q is 64 rows, k and v 16 each; with adjust_lr="original" the
     scales differ per block (sqrt(max(1, rows / cols)) is 1 for all three here, so use a tall layout)."""

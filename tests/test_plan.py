@@ -200,7 +200,7 @@ def test_owners_weigh_a_fused_projection_at_its_blocks_cost():
 
 
 def test_layouts_with_blocks():
-    from hf_muon.distributed.layout import replicated, with_blocks
+    from hf_muon.distributed.layout import exchanged_matrices, replicated, with_blocks
 
     fused, plain = replicated((192, 64), False, 2), replicated((64, 64), False, 2)
     blocked, same = with_blocks([fused, plain], [[(64, 64)] * 3, None])
@@ -209,8 +209,10 @@ def test_layouts_with_blocks():
     assert with_blocks([fused], None) == [fused]
     with pytest.raises(ValueError, match="2 block lists for 1 layouts"):
         with_blocks([fused], [None, None])
-    with pytest.raises(ValueError, match="stacked"):
-        with_blocks([replicated((2, 64, 64), True, 2)], [[(64, 64)]])
+    # a stack's blocks are each expert's: 2 experts x (gate, up), and each expert an item of its own
+    stack, = with_blocks([replicated((2, 128, 64), True, 2)], [[(64, 64)] * 2])
+    assert stack.ns_matrices == [(64, 64)] * 4 and stack.ns_flops(5) == 4 * standard(64, 64)
+    assert [item.layout.ns_matrices for item in exchanged_matrices([stack])] == [[(64, 64)] * 2] * 2
 
 
 # ---- tiny Mixtral: the installed transformers' expert layout ---------------------------------------------
@@ -218,15 +220,13 @@ def test_mixtral_experts_by_hand():
     model = tiny_mixtral()
     tensors = model_tensors(model)
     attention = 2 * standard(64, 64) + 2 * gram(32, 64) + gram(4, 64)  # q, o, k, v, router (4 experts x 64)
+    # gate and up (96x64 each) and down (64x96) of each of 4 experts, however they are stored: transformers 4
+    # keeps per-expert Linears; transformers 5 one stacked [4, 192, 64] gate_up and one [4, 64, 96] down per
+    # layer, each expert's gate | up matrix cut in its gate and up blocks (fused_blocks)
+    experts = 4 * (2 * gram(64, 96) + standard(64, 96))
+    matrices = 2 * (5 + 12)
     if hasattr(model.model.layers[0].mlp.experts, "gate_up_proj"):
-        # transformers 5: one stacked [4, 192, 64] gate_up and one [4, 64, 96] down per layer, one
-        # Newton–Schulz per expert (gate and up orthogonalized together: fused_blocks cuts nothing)
         assert [len(g) for g in tensors.muon_groups] == [10, 4]
-        experts = 4 * gram(64, 192) + 4 * standard(64, 96)
-        matrices = 2 * (5 + 4 + 4)
-    else:  # transformers 4: per-expert Linear w1, w3 (96x64) and w2 (64x96)
-        experts = 4 * (2 * gram(64, 96) + standard(64, 96))
-        matrices = 2 * (5 + 12)
     (p,) = plans(model, "zero3", [2])
     assert p.ns_flops.mean * 2 == 2 * (attention + experts)
     assert p.matrices == matrices
@@ -237,14 +237,15 @@ def test_mixtral_experts_by_hand():
     # the largest matrix of each group (a q or o 64x64 and, on transformers 5, one gate_up expert:
     # a stack is exchanged matrix by matrix, each expert with its own owner) at once
     if hasattr(model.model.layers[0].mlp.experts, "gate_up_proj"):
-        assert big.ns_flops.max == standard(64, 64) + gram(64, 192)
+        gate_up = 2 * gram(64, 96)  # one expert's gate and up blocks
+        assert big.ns_flops.max == standard(64, 64) + gate_up
         assert big.busy_ranks == 2 * (4 + 4)  # the experts' 16 owners (a stack had one); q..router's 10 among them
         # FSDP2 shards dim 0 of a [4, r, c] stack: at 512 ranks ranks 0-3 each hold one expert of
         # every stack whole, and a matrix held whole by one rank is orthogonalized there (no traffic):
         # rank 0 takes expert 0 of both layers' gate_up and down; q..router's 10 go to other ranks.
         (one,) = plans(model, "fsdp2", [512])
-        assert one.ns_flops.max == 2 * (gram(64, 192) + standard(64, 96)) and one.busy_ranks == 4 + 10
-        ratio = (standard(64, 64) + gram(64, 192)) / (2 * (gram(64, 192) + standard(64, 96)))
+        assert one.ns_flops.max == 2 * (gate_up + standard(64, 96)) and one.busy_ranks == 4 + 10
+        ratio = (standard(64, 64) + gate_up) / (2 * (gate_up + standard(64, 96)))
         assert big.times.newton_schulz / one.times.newton_schulz == pytest.approx(ratio)
         # ranks 0-3 own 4 matrices each: the overlapped exchange pipelines them in 4 buckets; ZeRO-3's
         # two exchanges have one matrix per owner, a bucket each
@@ -262,11 +263,12 @@ def test_experts_held_whole_move_when_links_are_cheap_enough():
     # tiny expert costs far more than orthogonalizing it: ranks 0-3 keep theirs, and no note
     assert pinned.hardware_flops_per_byte == pytest.approx(67e12 * 0.6 / 50e9)
     assert pinned.exchange_flops_per_byte is None
-    assert pinned.ns_flops.max == 2 * (gram(64, 192) + standard(64, 96)) and pinned.busy_ranks == 4 + 10
+    gate_up = 2 * gram(64, 96)  # one expert's gate and up blocks
+    assert pinned.ns_flops.max == 2 * (gate_up + standard(64, 96)) and pinned.busy_ranks == 4 + 10
     assert not any("exchange_flops_per_byte" in note for note in pinned.notes)
     (moved,) = plans(model, "fsdp2", [512], exchange_flops_per_byte=1e-6)
     # nearly free links: each of the 26 matrices on its own rank, the largest (a gate_up expert) sets NS
-    assert moved.busy_ranks == 26 and moved.ns_flops.max == gram(64, 192)
+    assert moved.busy_ranks == 26 and moved.ns_flops.max == gate_up
     # each holder moved its 2 gate_up experts and 1 of its 2 down experts (largest first; the last
     # one stays: moving it would only swap ranks), each sent whole to its owner and back, fp32
     moved_elements = 4 * (2 * 192 * 64 + 64 * 96)

@@ -25,7 +25,7 @@ class TensorLayout:
     shape: tuple[int, ...]
     stacked: bool
     ranges: tuple[tuple[int, int], ...]
-    blocks: tuple[tuple[int, int], ...] | None = None
+    blocks: tuple[tuple[int, int], ...] | None = None  # of each matrix, for a stack
 
     @property
     def numel(self) -> int:
@@ -42,10 +42,8 @@ class TensorLayout:
     def ns_matrices(self) -> list[tuple[int, int]]:
         """``(rows, cols)`` of each matrix Newton–Schulz runs on for this tensor: its blocks, or its
         matrices (one, or a stack's)."""
-        if self.blocks is not None:
-            return list(self.blocks)
         batch, rows, cols = self.matrix_shape
-        return [(rows, cols)] * batch
+        return list(self.blocks) * batch if self.blocks is not None else [(rows, cols)] * batch
 
     def ns_flops(self, steps: int, dtype: torch.dtype = torch.float32) -> float:
         """FLOPs the kernel runs to orthogonalize this tensor in ``dtype`` (the kernel's own cost
@@ -55,7 +53,7 @@ class TensorLayout:
         batch, rows, cols = self.matrix_shape
         if self.blocks is None:
             return float(batch * orthogonalize_flops(rows, cols, steps, dtype))
-        return float(sum(orthogonalize_flops(r, c, steps, dtype) for r, c in self.blocks))
+        return float(batch * sum(orthogonalize_flops(r, c, steps, dtype) for r, c in self.blocks))
 
     def holds(self, rank: int) -> bool:
         start, end = self.ranges[rank]
@@ -102,7 +100,7 @@ def exchanged_matrices(layouts: list[TensorLayout]) -> list[ExchangedMatrix]:
         for e in range(batch):
             lo, hi = e * m, (e + 1) * m
             ranges = tuple((min(max(start, lo), hi) - lo, min(max(end, lo), hi) - lo) for start, end in layout.ranges)
-            items.append(ExchangedMatrix(i, lo, TensorLayout((rows, cols), False, ranges)))
+            items.append(ExchangedMatrix(i, lo, TensorLayout((rows, cols), False, ranges, layout.blocks)))
     return items
 
 
@@ -115,8 +113,6 @@ def with_blocks(layouts: list[TensorLayout],
         return list(layouts)
     if len(blocks) != len(layouts):
         raise ValueError(f"{len(blocks)} block lists for {len(layouts)} layouts")
-    if any(cut is not None and layout.stacked for layout, cut in zip(layouts, blocks)):
-        raise ValueError("a stacked tensor's matrices are orthogonalized whole: no blocks for stacked layouts")
     return [layout if cut is None else replace(layout, blocks=tuple((int(r), int(c)) for r, c in cut))
             for layout, cut in zip(layouts, blocks)]
 

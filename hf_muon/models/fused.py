@@ -2,7 +2,8 @@
 
 GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, column blocks), Phi-3 in ``qkv_proj`` (row
 blocks of GQA sizes) and its MLP's gate and up in ``gate_up_proj``, GPT-NeoX, Bloom and Persimmon
-interleave them per head, Falcon per head or per key/value group. Newton–Schulz on the fused weight
+interleave them per head, Falcon per head or per key/value group; transformers 5's stacked MoE experts
+keep each expert's gate and up in one ``gate_up_proj`` matrix. Newton–Schulz on the fused weight
 is not Muon on q, k and v: each block of the update would follow the whole matrix's polar factor.
 :func:`fused_blocks` says, for each such weight, which rows or columns make each logical block, from
 the attention/MLP module's type and the model's config (as the module's own ``forward`` splits its
@@ -27,9 +28,10 @@ NS_SPLITS = ("block", "head", "none")
 
 @dataclass(frozen=True)
 class Blocks:
-    """How one 2-D weight is cut into the matrices Newton–Schulz runs on.
+    """How one weight matrix, or each matrix of a stack (MoE experts ``[experts, rows, cols]``), is cut
+    into the matrices Newton–Schulz runs on.
 
-    Along ``axis`` of the weight as stored (0: rows, e.g. ``nn.Linear`` outputs; 1: columns, e.g.
+    Along ``axis`` of the matrix as stored (0: rows, e.g. ``nn.Linear`` outputs; 1: columns, e.g.
     transformers' ``Conv1D`` outputs), block ``k`` is made of the runs ``segments[k]``, each
     ``(start, length)``, in order. Every index of the axis is in exactly one block.
     """
@@ -42,9 +44,13 @@ class Blocks:
         return [sum(length for _, length in runs) for runs in self.segments]
 
     def shapes(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-        """Each block's ``(rows, cols)`` for a weight of ``shape``."""
-        rows, cols = shape[0], shape[1]
+        """Each block's ``(rows, cols)`` for a weight of ``shape`` (of each matrix, for a stack)."""
+        rows, cols = shape[-2], shape[-1]
         return [(n, cols) if self.axis == 0 else (rows, n) for n in self.sizes()]
+
+    def dim(self, weight: Tensor) -> int:
+        """The dimension of ``weight`` (a matrix or a stack of them) the blocks are cut along."""
+        return weight.ndim - 2 + self.axis
 
     def indices(self, device: torch.device | str = "cpu") -> list[Tensor]:
         """Each block's rows (or columns) of the weight, in order."""
@@ -52,21 +58,22 @@ class Blocks:
 
     def split(self, weight: Tensor) -> list[Tensor]:
         """The blocks of ``weight`` (copies where a block is not one run)."""
-        out = []
+        out, dim = [], self.dim(weight)
         for runs in self.segments:
             if len(runs) == 1:
-                out.append(weight.narrow(self.axis, *runs[0]))
+                out.append(weight.narrow(dim, *runs[0]))
             else:
-                out.append(weight.index_select(self.axis, _indices(runs, weight.device)))
+                out.append(weight.index_select(dim, _indices(runs, weight.device)))
         return out
 
     def join(self, blocks: list[Tensor], out: Tensor) -> Tensor:
         """Write ``blocks`` (as :meth:`split` returned them, any dtype) back into ``out``."""
+        dim = self.dim(out)
         for runs, block in zip(self.segments, blocks):
             if len(runs) == 1:
-                out.narrow(self.axis, *runs[0]).copy_(block)
+                out.narrow(dim, *runs[0]).copy_(block)
             else:
-                out.index_copy_(self.axis, _indices(runs, out.device), block.to(out.dtype))
+                out.index_copy_(dim, _indices(runs, out.device), block.to(out.dtype))
         return out
 
     def to_json(self) -> list:
@@ -126,7 +133,8 @@ def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
 
 
 # module class name -> rule(module, config) yielding (submodule holding the fused weight, its blocks)
-Rule = Callable[[nn.Module, Any], Iterator[tuple[nn.Module, Blocks]]]
+# (the submodule whose ``weight`` it is, or the tensor itself, its blocks)
+Rule = Callable[[nn.Module, Any], Iterator[tuple[nn.Module | Tensor, Blocks]]]
 
 
 def _gpt2_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
@@ -184,6 +192,49 @@ def _mpt_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, 
     yield module.Wqkv, _contiguous(0, [("q", d), ("k", d), ("v", d)])
 
 
+# Stacked experts whose gate and up columns alternate (``gate_up[..., ::2], gate_up[..., 1::2]``).
+INTERLEAVED_GATE_UP = ("GptOssExperts",)
+
+
+def experts_layout(module: nn.Module) -> str | None:
+    """How a transformers 5 MoE experts module (a ``...Experts`` class holding 3-D ``gate_up_proj`` and
+    ``down_proj``) stores its matrices, read from their shapes: ``"rows"`` (``gate_up_proj``
+    ``[experts, 2 * I, H]``, used as ``F.linear(x, W[e]).chunk(2, dim=-1)``: Mixtral, Qwen-MoE,
+    DeepSeek, ...), ``"columns"`` (``[experts, H, 2 * I]``, used as ``x @ W[e]``: Llama 4, GPT-OSS,
+    Aria), or ``None`` (not such a module, or shapes that fit neither)."""
+    from ..distributed.providers import shape_of
+
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (type(module).__name__.endswith("Experts") and isinstance(gate_up, Tensor) and isinstance(down, Tensor)):
+        return None
+    gate_up, down = shape_of(gate_up), shape_of(down)
+    if len(gate_up) != 3 or len(down) != 3:
+        return None
+    (_, a, b), (_, c, d) = gate_up, down
+    if a == 2 * d and b == c:
+        return "rows"
+    if b == 2 * c and a == d:
+        return "columns"
+    return None
+
+
+def _experts_gate_up(module: nn.Module, config: Any) -> Iterator[tuple[Tensor, Blocks]]:
+    """Each expert's gate | up (see :func:`experts_layout`), interleaved columns for
+    ``INTERLEAVED_GATE_UP``."""
+    from ..distributed.providers import shape_of
+
+    layout = experts_layout(module)
+    if layout is None:
+        return
+    _, a, b = shape_of(module.gate_up_proj)
+    if layout == "rows":
+        yield module.gate_up_proj, _contiguous(0, [("gate", a // 2), ("up", a // 2)])
+    elif any(cls.__name__ in INTERLEAVED_GATE_UP for cls in type(module).__mro__):
+        yield module.gate_up_proj, _strided(1, b // 2, 2, [("gate", 0, 1), ("up", 1, 1)])
+    else:
+        yield module.gate_up_proj, _contiguous(1, [("gate", b // 2), ("up", b // 2)])
+
+
 FUSED_RULES: dict[str, Rule] = {
     "GPT2Attention": _gpt2_attention,
     "GPTBigCodeAttention": _gpt_bigcode_attention,
@@ -206,6 +257,9 @@ MODEL_TABLE = (
     ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
      "q | k | v (multi-query) or per head"),
     ("MPT", "MptAttention", "Wqkv: q | k | v rows"),
+    ("MoEs with stacked experts on transformers 5 (Mixtral, Qwen-MoE, DeepSeek, OLMoE, Llama 4, GPT-OSS, ...)",
+     "any ...Experts with 3-D gate_up_proj and down_proj",
+     "gate_up_proj: each expert's gate | up (rows; columns where used as x @ W[e]; GPT-OSS: alternating columns)"),
 )
 
 
@@ -213,6 +267,8 @@ def _rule_for(module: nn.Module) -> tuple[str, Rule] | None:
     for cls in type(module).__mro__:
         if cls.__name__ in FUSED_RULES:
             return cls.__name__, FUSED_RULES[cls.__name__]
+    if experts_layout(module) is not None:
+        return type(module).__name__, _experts_gate_up
     return None
 
 
@@ -228,7 +284,7 @@ def _separate_projections(module: nn.Module) -> list[tuple[str, nn.Linear]]:
 def _weight_axis_blocks(weight: Tensor, blocks: Blocks, where: str) -> Blocks:
     """Check ``blocks`` cover ``weight``'s axis exactly (a config that disagrees with the weight is a
     model hf_muon misreads: refuse rather than orthogonalize the wrong blocks)."""
-    length = weight.shape[blocks.axis] if weight.ndim == 2 else -1
+    length = weight.shape[blocks.dim(weight)] if weight.ndim in (2, 3) else -1
     covered = sorted(i for runs in blocks.segments for start, n in runs for i in range(start, start + n))
     if covered != list(range(length)):
         raise ValueError(f"hf_muon: the fused blocks read for {where} do not cover its weight of shape "
@@ -260,7 +316,7 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
         targets: list[tuple[nn.Module, Blocks]] = []
         if matched is not None:
             for holder, blocks in matched[1](module, config):
-                if ns_split == "head":
+                if ns_split == "head" and {"q", "k", "v"} & set(blocks.names):
                     blocks = _per_head(blocks, _heads(module, config)[2])
                 targets.append((holder, blocks))
         elif ns_split == "head":
@@ -270,7 +326,7 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
                 for name, linear in projections:
                     targets.append((linear, _per_head(_contiguous(0, [(name, linear.out_features)]), hd)))
         for holder, blocks in targets:
-            weight = holder.weight
+            weight = holder.weight if isinstance(holder, nn.Module) else holder
             where = f"{module_name} ({type(module).__name__})"
             shape = shape_of(weight)
             _weight_axis_blocks(torch.empty(shape, device="meta"), blocks, where)

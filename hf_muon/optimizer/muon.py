@@ -162,12 +162,14 @@ def orthogonalize_all(
     ``record(batch, row_weights)`` sees each batch Newton–Schulz returned, with a weight per matrix:
     ``weights[i]`` of its update times its block's relative scale squared (telemetry)."""
     fn = with_precondition(orthogonalize_fn, precondition)
-    mats: list[Tensor] = []  # each update's matrices in order: one, or one per block
+    mats: list[Tensor] = []  # each update's matrices in order: one (or a stack), or one (a stack) per block
+    block_shapes_: list[torch.Size] = []  # each block's shape, to put it back (a stack's block is a stack)
     mat_weights: list[float] = []
     for i, u in enumerate(updates):
         cut = blocks[i] if blocks is not None else None
         parts = cut.split(u) if cut is not None else [u]
         mats.extend(as_matrices(part, stacked) for part in parts)
+        block_shapes_.extend(part.shape for part in parts)
         if record is not None:
             relative = (block_scales[i] if block_scales is not None else None) or [1.0] * len(parts)
             mat_weights.extend(weights[i] * r * r for r in relative)
@@ -195,7 +197,7 @@ def orthogonalize_all(
             j += 1
             continue
         n = len(cut.segments)
-        parts = [m.reshape(m.shape[1:]) for m in ortho_mats[j: j + n]]
+        parts = [m.reshape(shape) for m, shape in zip(ortho_mats[j: j + n], block_shapes_[j: j + n])]
         scales = block_scales[i] if block_scales is not None else None
         if scales is not None and any(s != 1.0 for s in scales):
             parts = [part.float() * s for part, s in zip(parts, scales)]
@@ -656,7 +658,7 @@ class Muon(Optimizer):
     def _blocks_of(self, group: dict) -> list[Blocks | None]:
         """The blocks of each of a new group's tensors (``None``: orthogonalized whole)."""
         model = self._source_model() if self._source_model is not None else None
-        if group["algorithm"] != MUON or group.get("stacked") or model is None:
+        if group["algorithm"] != MUON or model is None:
             return [None] * len(group["params"])
         split = group["ns_split"]
         if split not in self._fused or not self._model_tensors.issuperset(map(id, group["params"])):

@@ -105,10 +105,15 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
 
 
 def stored_in_by_out(model: nn.Module) -> set[int]:
-    """``id`` of each weight ``model`` stores ``[in, out]`` (transformers' ``Conv1D``), not ``[out, in]``
-    as ``nn.Linear`` does: a rule on its shape (``adjust_lr="original"``'s fan-out over fan-in) must
-    read it transposed."""
-    return {id(module.weight) for module in model.modules() if _is_hf_conv1d(module)}
+    """``id`` of each weight ``model`` stores ``[in, out]`` (transformers' ``Conv1D``; stacked experts
+    used as ``x @ W[e]``), not ``[out, in]`` as ``nn.Linear`` does: a rule on its shape
+    (``adjust_lr="original"``'s fan-out over fan-in) must read it transposed."""
+    from ..models.fused import experts_layout  # not at import: the models layer imports this one's users
+
+    conv1d = {id(module.weight) for module in model.modules() if _is_hf_conv1d(module)}
+    experts = {id(t) for module in model.modules() if experts_layout(module) == "columns"
+               for t in (module.gate_up_proj, module.down_proj)}  # Llama 4, GPT-OSS: x @ W[e]
+    return conv1d | experts
 
 
 def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tuple[str, str, bool]:
@@ -130,6 +135,8 @@ def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tu
     if isinstance(num_experts, int) and shape[0] == num_experts:
         if len(shape) == 3:
             return MUON, f"stacked expert matrices ({num_experts} x {shape[1]} x {shape[2]})", True
+        if len(shape) == 2 and local_name.endswith("bias"):  # GPT-OSS: gate_up_proj_bias [experts, 2 * I]
+            return ADAMW, f"bias of each expert ({kind}.{local_name}, {shape[0]} x {shape[1]})", False
         if len(shape) == 2:
             return MUON, f"MoE router matrix ({kind})", False
     return ADAMW, f"parameter of {kind} that is not a matrix layer's weight", False

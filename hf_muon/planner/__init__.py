@@ -28,16 +28,12 @@ def _ns_dtypes(ns_dtype: torch.dtype | str | None, on_cpu: bool) -> tuple[torch.
 
 def _matrix_shapes(tensors: ModelTensors) -> list[tuple[int, int]]:
     """Every matrix Newton–Schulz runs on (blocks, experts one by one), for the ``cpu`` measurement."""
+    from dataclasses import replace
+
     from ..distributed.layout import replicated
 
-    shapes = []
-    for t in tensors.muon_tensors:
-        if t.blocks is not None:
-            shapes += list(t.blocks)
-        else:
-            batch, rows, cols = replicated(t.shape, t.stacked, 1).matrix_shape
-            shapes += [(rows, cols)] * batch
-    return shapes
+    return [shape for t in tensors.muon_tensors
+            for shape in replace(replicated(t.shape, t.stacked, 1), blocks=t.blocks).ns_matrices]
 
 
 def plan_tensors(tensors: ModelTensors, layout: str, worlds: list[int], accelerator_name: str = "h100-sxm",

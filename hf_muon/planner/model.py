@@ -19,7 +19,7 @@ PRESET_DIR = Path(__file__).with_name("configs")
 @dataclass(frozen=True)
 class PlanTensor:
     """One Muon tensor: its shape, whether its leading dims stack experts, and the ``(rows, cols)`` of
-    the blocks it is orthogonalized in (``None``: as a whole, or one matrix per expert)."""
+    the blocks it is orthogonalized in (of each expert's matrix, for a stack; ``None``: whole matrices)."""
 
     name: str
     shape: tuple[int, ...]
