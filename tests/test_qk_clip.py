@@ -223,10 +223,10 @@ def test_unknown_model_refused():
         clip.attach(torch.optim.AdamW(nn.Linear(2, 2).parameters()))
 
 
-def test_frozen_query_weights_are_an_error():
+def test_query_key_weights_outside_the_optimizer_are_an_error():
     model = tiny_model("llama", "sdpa")
-    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
-    optimizer = Muon([p for p in model.parameters() if p.requires_grad], model=model, lr=1e-3)
+    attention = model.model.layers[0].self_attn
+    optimizer = Muon([p for p in model.parameters() if p is not attention.q_proj.weight], model=model, lr=1e-3)
     clip = QKClip(model, tau=1e-6).attach(optimizer)
     ids = torch.randint(0, 64, (2, 8))
     model.train()
@@ -237,7 +237,33 @@ def test_frozen_query_weights_are_an_error():
                 optimizer.step()
             return
         optimizer.step()
-    pytest.fail("a frozen q_proj was never reported")
+    pytest.fail("a q_proj outside the optimizer was never reported")
+
+
+def test_frozen_layers_are_neither_tracked_nor_clipped():
+    """Muon(model) keeps frozen parameters in its groups, and the clip rescaled a frozen layer's query and
+    key weights (0.26 of their norm at tau=1e-3) with no message."""
+    model = tiny_model("llama", "eager")
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    with pytest.warns(UserWarning, match=r"1 attention layers with frozen query/key weights .*layers\.0\.self_attn"):
+        opt = Muon(model, lr=1e-2, qk_clip_tau=1e-3)
+    ids = torch.randint(0, 64, (2, 8))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert opt.qk_clip.clipped_heads == 4  # layer 1's heads only
+    assert [n for n, p in model.named_parameters() if n in frozen and not torch.equal(p, frozen[n])] == []
+    # a layer half frozen cannot be clipped (the factor is split between query and key); all frozen: nothing to do
+    model = tiny_model("llama", "eager")
+    model.model.layers[1].self_attn.k_proj.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn has frozen \(k_proj\.weight\) and trained"):
+        QKClip(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="all 2 attention layers are frozen"):
+        QKClip(model)
 
 
 def byte_batches(steps: int, batch: int, seq: int, seed: int = 1):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,6 +60,23 @@ class AttentionLayer:
     num_kv_heads: int
     head_dim: int
     fused_qkv: bool
+
+    def query_key_parameters(self) -> list[tuple[str, Tensor]]:
+        """The parameters that make this layer's queries and keys (GPT-2: ``c_attn``, v included)."""
+        names = ("c_attn.weight", "c_attn.bias") if self.fused_qkv else \
+            ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+        found = [(n, self.module.get_submodule(n.split(".")[0])) for n in names]
+        return [(n, getattr(m, n.split(".")[1])) for n, m in found if getattr(m, n.split(".")[1]) is not None]
+
+    def trains(self) -> bool:
+        """Whether the query/key parameters train (all of them) or are frozen (all); refused when mixed:
+        the clip splits each head's factor between its query and its key."""
+        flags = {n: p.requires_grad for n, p in self.query_key_parameters()}
+        if len(set(flags.values())) > 1:
+            frozen = [n for n, trains in flags.items() if not trains]
+            raise ValueError(f"QKClip: {self.name} has frozen ({', '.join(frozen)}) and trained query/key "
+                             "parameters; the clip rescales queries and keys together: train or freeze them all")
+        return all(flags.values())
 
     def scalings(self, gamma: Tensor) -> tuple[list[FeatureScaling], list[str]]:
         """The output-feature scalings that multiply head ``h``'s logit by ``gamma[h]`` (see the module
@@ -224,7 +242,16 @@ class QKClip:
     def __init__(self, model: nn.Module, tau: float = 100.0) -> None:
         check_tau(tau)
         self.tau = float(tau)
-        self.layers = find_attention_layers(model)
+        found = find_attention_layers(model)
+        # frozen query/key weights never change: the clip must not rescale them either
+        self.layers = [layer for layer in found if layer.trains()]
+        frozen = [layer.name for layer in found if layer not in self.layers]
+        if not self.layers:
+            raise ValueError(f"QKClip: the query/key weights of all {len(found)} attention layers are frozen: "
+                             "there is nothing to clip; drop qk_clip_tau")
+        if frozen:
+            warnings.warn(f"QKClip: {len(frozen)} attention layers with frozen query/key weights are neither "
+                          f"tracked nor clipped: {', '.join(frozen[:4])}{' ...' if len(frozen) > 4 else ''}")
         self._configs = self._tracked_configs()
         self._maxima: list[Tensor | None] = [None] * len(self.layers)
         self._optimizer: torch.optim.Optimizer | None = None
