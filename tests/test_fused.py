@@ -295,6 +295,27 @@ def test_a_group_added_later_gets_its_fused_blocks_and_orientation():
     assert opt._source_model() is None
 
 
+def test_decision_transformer_and_a_composite_models_blocks():
+    """DecisionTransformer's attention is a copy of GPT-2's, not a subclass: it was orthogonalized whole.
+    A composite model (Llava) has no heads in its own config: Phi-3 inside it failed with a TypeError."""
+    dt = T.DecisionTransformerModel(T.DecisionTransformerConfig(state_dim=3, act_dim=2, hidden_size=D, n_layer=1,
+                                                                n_head=HEADS))
+    (name, blocks), = fused_blocks(dt, "block").values()
+    assert name == "encoder.h.0.attn.c_attn.weight" and blocks.axis == 1 and blocks.sizes() == [D] * 3
+    assert list(Muon(dt).fused_blocks()) == [name]
+    text = T.Phi3Config(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV, num_hidden_layers=1,
+                        intermediate_size=96, vocab_size=100, pad_token_id=0)
+    vision = T.CLIPVisionConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=20,
+                                image_size=8, patch_size=4)
+    llava = T.LlavaForConditionalGeneration(T.LlavaConfig(text_config=text, vision_config=vision, image_token_id=5))
+    found = {n.rsplit(".", 2)[-2]: b.sizes() for n, b in fused_blocks(llava, "block").values()}
+    assert found == {"qkv_proj": [D, KV * D // HEADS, KV * D // HEADS], "gate_up_proj": [96, 96]}
+    heads = {n.split(".")[1] + "." + n.rsplit(".", 2)[-2]: len(b.sizes()) for n, b in fused_blocks(llava, "head").values()}
+    assert heads == {"vision_tower.q_proj": 2, "vision_tower.k_proj": 2, "vision_tower.v_proj": 2,
+                     "language_model.qkv_proj": HEADS + 2 * KV, "language_model.gate_up_proj": 2}
+    Muon(llava, ns_split="head")
+
+
 def test_trainer_reads_blocks_and_ns_split_option(tmp_path):
     from hf_muon.integrations.transformers import muon_cls_and_kwargs
 

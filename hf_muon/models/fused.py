@@ -122,7 +122,9 @@ def _per_head(blocks: Blocks, head_dim: int, attention: tuple[str, ...] = ("q", 
 
 
 def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
-    """``(heads, key/value heads, head_dim)`` of an attention module, from the module or the config."""
+    """``(heads, key/value heads, head_dim)`` of an attention module, from the module or its own config
+    (a composite model's, e.g. Llava's, has no heads of its own: ``config`` is its text config then)."""
+    config = getattr(module, "config", None) or config
     heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
     head_dim = getattr(module, "head_dim", None)
     kv = (getattr(module, "num_key_value_heads", None) or getattr(module, "num_kv_heads", None)
@@ -237,6 +239,7 @@ def _experts_gate_up(module: nn.Module, config: Any) -> Iterator[tuple[Tensor, B
 
 FUSED_RULES: dict[str, Rule] = {
     "GPT2Attention": _gpt2_attention,
+    "DecisionTransformerGPT2Attention": _gpt2_attention,  # a copy of GPT2Attention, not a subclass
     "GPTBigCodeAttention": _gpt_bigcode_attention,
     "Phi3Attention": _phi3_attention,
     "Phi3MLP": _phi3_mlp,
@@ -248,7 +251,7 @@ FUSED_RULES: dict[str, Rule] = {
 }
 # Where each supported model keeps its fused weights (the README's table is checked against this).
 MODEL_TABLE = (
-    ("GPT-2, DistilGPT-2, DecisionTransformer", "GPT2Attention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
+    ("GPT-2, DistilGPT-2, DecisionTransformer", "GPT2Attention, DecisionTransformerGPT2Attention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
     ("GPT-BigCode (StarCoder 1)", "GPTBigCodeAttention", "c_attn: q | k | v rows (multi-query: d | hd | hd), else per head"),
     ("Phi-3, Phi-3.5, Phi-4", "Phi3Attention, Phi3MLP", "qkv_proj: q | k | v rows (GQA sizes); gate_up_proj: gate | up"),
     ("GPT-NeoX, Pythia", "GPTNeoXAttention", "query_key_value: [q_h | k_h | v_h] per head"),
@@ -309,6 +312,8 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
     from ..distributed.providers import shape_of
 
     config = getattr(model, "config", None)
+    if hasattr(config, "get_text_config"):  # a composite model's (Llava's) heads are its text model's
+        config = config.get_text_config()
     names = {id(p): n for n, p in model.named_parameters()}
     found: dict[int, tuple[str, Blocks]] = {}
     for module_name, module in model.named_modules():
