@@ -90,6 +90,34 @@ def test_hooks_measure_each_micro_batch_and_undo_accumulation_in_a_plain_loop():
     noise.detach()
 
 
+@pytest.mark.parametrize("optimizer_kind", ["hf_muon", "sgd"])
+def test_both_norms_cover_the_tensors_the_optimizer_steps(optimizer_kind):
+    """An optimizer of the decoder layers only (another trains the embeddings): |G_small| covered every
+    trainable parameter and |G_big| the optimizer's, so the noise scale read 7.99 instead of 0.12."""
+    from hf_muon import Muon
+
+    model = tiny_llama()
+    layers = [p for n, p in model.named_parameters() if ".layers." in n]
+    optimizer = Muon(layers, model=model, lr=0.0) if optimizer_kind == "hf_muon" else torch.optim.SGD(layers, lr=0.0)
+    gas, mb = 2, 2
+    torch.manual_seed(1)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (mb, 16))), "labels": ids} for _ in range(gas)]
+    micro = []
+    for b in batches:
+        model.zero_grad()
+        model(**b).loss.backward()
+        micro.append(torch.cat([p.grad.reshape(-1) for p in layers]))
+    model.zero_grad()
+    noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas).attach()
+    for b in batches:
+        (model(**b).loss / gas).backward()
+    optimizer.step()
+    small = sum(g.square().sum() for g in micro).item() / gas
+    big = (sum(micro) / gas).square().sum().item()
+    assert noise.last_norms == pytest.approx((small, big), rel=1e-5)
+    noise.detach()
+
+
 @pytest.mark.parametrize("unscale_first", [False, True])
 def test_a_grad_scalers_loss_scale_is_taken_out(unscale_first):
     """fp16's usual loop unscales before clipping (``scaler.unscale_``): |G_big| was unscaled and the

@@ -213,6 +213,11 @@ class GradientNoiseScale:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("GradientNoiseScale: the model has no parameter that requires a gradient")
+        # |G_small| and |G_big| must cover the same tensors: those the optimizer steps (another optimizer
+        # may train the rest, e.g. the embeddings)
+        stepped = self._stepped_tensor_ids()
+        if stepped & {id(p) for p in params}:
+            params = [p for p in params if id(p) in stepped]
         self._refuse_unsupported(params)
         self._groups_total = {self._group_key(i, g) for i, g in enumerate(self.optimizer.param_groups)}
         for p in params:
@@ -228,6 +233,14 @@ class GradientNoiseScale:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _stepped_tensor_ids(self) -> set[int]:
+        """``id`` of the model tensors the optimizer steps: hf_muon.Muon's own record (a backend may swap
+        its groups' tensors for flat partitions), else the param groups' tensors."""
+        tensors = getattr(self.optimizer, "_group_tensors", None)
+        if tensors is None:
+            tensors = [group["params"] for group in self.optimizer.param_groups]
+        return {id(t) for group in tensors for t in group}
 
     def _refuse_unsupported(self, params: list[Tensor]) -> None:
         from ..distributed.sharding import is_dtensor
