@@ -223,6 +223,22 @@ def test_unknown_model_refused():
         clip.attach(torch.optim.AdamW(nn.Linear(2, 2).parameters()))
 
 
+def test_switching_the_attention_implementation_afterwards_is_an_error():
+    """model.set_attn_implementation after attaching turned tracking and clipping off silently (max logit
+    -inf, no head clipped, at a tau every head exceeds)."""
+    model = tiny_model("llama", "eager")
+    opt = Muon(model, lr=1e-2, qk_clip_tau=1e-4)
+    ids = torch.randint(0, 64, (2, 8))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert opt.qk_clip.clipped_heads == 8
+    model.set_attn_implementation("sdpa")
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match="attention implementation was changed to 'sdpa'"):
+        opt.step()
+
+
 def test_query_key_weights_outside_the_optimizer_are_an_error():
     model = tiny_model("llama", "sdpa")
     attention = model.model.layers[0].self_attn

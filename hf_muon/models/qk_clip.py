@@ -360,6 +360,16 @@ class QKClip:
         self._maxima = [None] * len(self.layers)
         self._seen_since_step = False
 
+    def _check_still_tracking(self) -> None:
+        """Refuse a step after the model's attention implementation was switched away from the tracking
+        one (``model.set_attn_implementation``): nothing would be tracked or clipped any more."""
+        for config, base in self._configs:
+            if config._attn_implementation != ATTENTION_PREFIX + base:
+                raise RuntimeError(
+                    f"QKClip: the model's attention implementation was changed to {config._attn_implementation!r} "
+                    "after QK-clip was attached, so no attention logit is tracked or clipped any more. Change it "
+                    "before building the optimizer (or call clip.detach() first and attach a new QKClip)")
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if getattr(optimizer, "last_step_skipped", False):  # non-finite gradients: the step changes nothing
             return
@@ -374,6 +384,7 @@ class QKClip:
                 "with hf_muon.Muon). Train the query/key weights with the optimizer QKClip is attached to."
             )
         if self._pending is None:
+            self._check_still_tracking()
             self._open_step()
         reached = scale_output_features(optimizer, self._pending)
         self._pending = [s for s in self._pending if id(s.param) not in reached] or None
