@@ -295,6 +295,14 @@ def test_a_group_added_later_gets_its_fused_blocks_and_orientation():
     assert opt._source_model() is None
 
 
+def test_gpt2_cross_attention_query_is_cut_per_head_too():
+    model = T.GPT2LMHeadModel(T.GPT2Config(n_embd=D, n_layer=1, n_head=HEADS, add_cross_attention=True, vocab_size=100))
+    heads = {n.split(".", 3)[-1]: b.names for n, b in fused_blocks(model, "head").values()}
+    assert heads["crossattention.q_attn.weight"] == tuple(f"q.h{i}" for i in range(HEADS))
+    assert len(heads["crossattention.c_attn.weight"]) == 2 * HEADS
+    assert "crossattention.q_attn.weight" not in {n.split(".", 3)[-1] for n, _ in fused_blocks(model, "block").values()}
+
+
 def test_decision_transformer_and_a_composite_models_blocks():
     """DecisionTransformer's attention is a copy of GPT-2's, not a subclass: it was orthogonalized whole.
     A composite model (Llava) has no heads in its own config: Phi-3 inside it failed with a TypeError."""

@@ -216,8 +216,18 @@ def test_unknown_model_refused():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         QKClip(model)
-    with pytest.raises(ValueError, match="tau must be"):
-        QKClip(tiny_model("llama", "sdpa"), tau=0.0)
+    for tau in (0.0, True):  # True read as 1.0
+        with pytest.raises(ValueError, match="tau must be"):
+            QKClip(tiny_model("llama", "sdpa"), tau=tau)
+    # a model with tracked and other attention (Llava: Llama text, CLIP vision) says what it leaves alone
+    text = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                    intermediate_size=20, vocab_size=64)
+    vision = transformers.CLIPVisionConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+                                           intermediate_size=20, image_size=8, patch_size=4)
+    llava = transformers.LlavaForConditionalGeneration(
+        transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=5))
+    with pytest.warns(UserWarning, match="modules of types CLIPAttention in LlavaForConditionalGeneration are neither"):
+        assert [layer.name for layer in QKClip(llava).layers] == ["model.language_model.layers.0.self_attn"]
     clip = QKClip(tiny_model("llama", "sdpa"))
     with pytest.raises(TypeError, match="hf_muon.Muon"):
         clip.attach(torch.optim.AdamW(nn.Linear(2, 2).parameters()))

@@ -186,6 +186,8 @@ BAD_INPUTS = [
      r"momentum must be in \[0, 1\)"),
     ("optim-args-regex", "--optim_args force_adamw=(", _optim_args("force_adamw=("), ValueError,
      "not a valid regular expression"),
+    ("optim-args-twice", "--optim_args momentum=0.9,momentum=0.5", _optim_args("momentum=0.9,momentum=0.5"),
+     ValueError, "sets momentum twice"),
     ("ds-optimizer-block", "DS config with an \"optimizer\" block and --optim muon",
      _ds({"optimizer": {"type": "AdamW", "params": {}}}), ValueError, "silently ignore --optim muon"),
     ("ds-own-muon", "DS config \"type\": \"Muon\"", _ds({"optimizer": {"type": "Muon"}}), ValueError,

@@ -66,6 +66,7 @@ def test_trainer_builds_muon_with_its_hyperparameters(tmp_path):
     ("momentum", "not key=value"),
     ("ns_steps=five", "not a valid value"),
     ("nesterov=maybe", "not a valid value"),
+    ("momentum=0.9,ns_steps=5,momentum=0.5", "sets momentum twice"),  # the last one won, silently
 ])
 def test_bad_optim_args_raise(bad, message):
     with pytest.raises(ValueError, match=message):

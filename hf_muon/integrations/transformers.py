@@ -93,6 +93,8 @@ def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
             raise ValueError(f"--optim_args entry {item!r} is not key=value; muon accepts: {', '.join(OPTIM_ARGS)}")
         if key not in OPTIM_ARGS:
             raise ValueError(f"--optim_args key {key!r} is not a Muon setting; muon accepts: {', '.join(OPTIM_ARGS)}")
+        if key in parsed:
+            raise ValueError(f"--optim_args sets {key} twice; give each setting once")
         try:
             parsed[key] = OPTIM_ARGS[key](value)
         except (ValueError, KeyError):

@@ -142,6 +142,7 @@ Rule = Callable[[nn.Module, Any], Iterator[tuple[nn.Module | Tensor, Blocks]]]
 def _gpt2_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
     d = module.embed_dim
     if getattr(module, "is_cross_attention", False):  # q_attn is its own weight; c_attn holds k | v
+        yield module.q_attn, _contiguous(1, [("q", d)])  # one block: cut only per head (ns_split="head")
         yield module.c_attn, _contiguous(1, [("k", d), ("v", d)])
     else:
         yield module.c_attn, _contiguous(1, [("q", d), ("k", d), ("v", d)])

@@ -145,6 +145,11 @@ def find_attention_layers(model: nn.Module) -> list[AttentionLayer]:
     if not layers:
         raise ValueError(f"QKClip supports {SUPPORTED_MODELS}; found none of these attention modules in "
                          f"{type(model).__name__}. Use QKClip only with one of those models.")
+    others = sorted({type(m).__name__ for m in model.modules()
+                     if type(m).__name__.endswith("Attention") and type(m) not in classes})
+    if others:  # e.g. Llava: its Llama layers are tracked, its CLIP vision tower's attention is not
+        warnings.warn(f"QKClip tracks and clips {len(layers)} attention layers of {SUPPORTED_MODELS}; the attention "
+                      f"modules of types {', '.join(others)} in {type(model).__name__} are neither tracked nor clipped")
     return layers
 
 
@@ -220,7 +225,7 @@ def head_max_logits(module: nn.Module, query: Tensor, key: Tensor, attention_mas
 
 def check_tau(tau: float) -> None:
     """Refuse a tau that is not a finite number > 0 (``--optim_args qk_clip_tau=`` is checked with this)."""
-    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
+    if isinstance(tau, bool) or not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
         raise ValueError(f"QKClip: tau must be a finite number > 0, got {tau!r}")
 
 
