@@ -257,6 +257,36 @@ def test_cpu_state_is_set_up_only_where_accelerate_gets_the_world_wrong(monkeypa
     assert accelerate_cpu.needs_cpu_state(args) is None
 
 
+def test_a_later_training_arguments_keeps_the_cpu_state(monkeypatch):
+    """A second TrainingArguments in the process (dataclasses.replace, to_dict, a second parse) reset the
+    state to one process per rank, while the gloo group stayed up: each rank trained alone, silently."""
+    from types import SimpleNamespace
+
+    from accelerate.state import PartialState
+
+    from hf_muon.integrations import accelerate_cpu
+
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(accelerate_cpu, "_STATE_KIND", ["ddp"])
+    monkeypatch.setattr(PartialState, "_shared_state", {"backend": "gloo"})
+    later = SimpleNamespace(deepspeed=None, fsdp=None, use_cpu=False, accelerator_config=None)
+    assert accelerate_cpu.prepare_training_args(later) == "ddp"
+    assert later.accelerator_config == {"use_configured_state": True}
+    with pytest.raises(ValueError, match="set up a ddp launch over gloo .* these ask for deepspeed"):
+        accelerate_cpu.prepare_training_args(SimpleNamespace(deepspeed="x.json", fsdp=None, use_cpu=False,
+                                                             accelerator_config=None))
+
+
+def test_ddp_with_a_copy_of_the_training_arguments_trains_as_one(tmp_path):
+    prefix = str(tmp_path / "run")
+    run_ok(torchrun("--optim", "muon", "--copy_args", "--output_dir", str(tmp_path), "--max_steps", "4",
+                    "--save_strategy", "no", "--dump_params", prefix, "--report", prefix, *TRAIN))
+    check_run(prefix, 4, "ddp")
+    rank0, rank1 = load(prefix)
+    assert max_rel_diff(rank1, rank0) == 0.0  # the AdamW half drifted apart (0.22 vs 0.74 embedding sums)
+
+
 def test_use_configured_state_keeps_the_users_accelerator_config(tmp_path):
     from transformers.trainer_pt_utils import AcceleratorConfig
 

@@ -173,9 +173,25 @@ def prepare_training_args(args: Any) -> str | None:
 
     Returns the kind of launch it set up (``"deepspeed"``, ``"fsdp"``, ``"ddp"``) or ``None``.
     """
+    if _STATE_KIND and _state_is_up():
+        # A later TrainingArguments in the same process (a copy, dataclasses.replace, a second parse) must
+        # keep the state too: without use_configured_state transformers resets it to one process per rank
+        # while the gloo group stays up (each rank trained alone, and Muon still exchanged: wrong silently).
+        kind, wanted = _STATE_KIND[0], requested_kind(args)
+        if wanted is not None and wanted != kind:
+            raise ValueError(f"hf_muon: this process set up a {kind} launch over gloo for its first TrainingArguments; "
+                             f"these ask for {wanted}. Use one kind of launch per process.")
+        args.accelerator_config = _use_configured_state(args.accelerator_config)
+        return kind
     kind = needs_cpu_state(args)
     if kind is None:
         return None
     init_cpu_state(kind, getattr(args, "ddp_timeout", None))
     args.accelerator_config = _use_configured_state(args.accelerator_config)
     return kind
+
+
+def _state_is_up() -> bool:
+    from accelerate.state import PartialState
+
+    return internal(PartialState, "_shared_state", "accelerate") != {}

@@ -6,7 +6,8 @@ Only ``TrainingArguments`` flags are needed. A few script flags serve the launch
 (each rank writes what it saw to ``PATH.rank<R>.json``: ranks' output lines interleave), ``--from_config``
 (build the model with ``AutoModelForCausalLM.from_config``: under ZeRO-3 that is ``zero.Init``, which
 partitions parameters as they are created), ``--kill_rank R:N`` (rank R sends itself SIGKILL at the end
-of optimizer step N, after printing the time). ``--resume_from_checkpoint`` is passed to ``train()``.
+of optimizer step N, after printing the time), ``--copy_args`` (train with ``dataclasses.replace(args)``: a
+second ``TrainingArguments`` in the process). ``--resume_from_checkpoint`` is passed to ``train()``.
 """
 
 import json
@@ -14,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import Dataset
@@ -41,6 +42,7 @@ class ScriptArgs:
     report: str | None = None
     from_config: bool = False
     kill_rank: str | None = None
+    copy_args: bool = False
 
 
 class KillRank(TrainerCallback):
@@ -76,6 +78,8 @@ def innermost_optimizer(optimizer):
 
 def main() -> None:
     args, script = HfArgumentParser((TrainingArguments, ScriptArgs)).parse_args_into_dataclasses()
+    if script.copy_args:
+        args = replace(args)
     torch.manual_seed(args.seed)
     config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
