@@ -227,6 +227,23 @@ def test_accelerate_refuses_to_swap_muon_for_deepspeed_cpu_adam():
         accelerate.accelerator.map_pytorch_optim_to_deepspeed(Muon(tiny_llama(), lr=1e-3))
 
 
+def test_without_deepspeed_accelerate_is_left_alone_and_nothing_warns(monkeypatch, recwarn):
+    # Accelerate defines map_pytorch_optim_to_deepspeed only where DeepSpeed is installed: every Trainer run
+    # without the optional DeepSpeed warned that Accelerate lacked it and should be reinstalled
+    import importlib.util
+    import types
+
+    from hf_muon.integrations import deepspeed_config
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    accelerator_module = types.ModuleType("accelerate.accelerator")
+    deepspeed_config.patch_accelerate(accelerator_module)
+    assert not hasattr(accelerator_module, "map_pytorch_optim_to_deepspeed")
+    assert [str(w.message) for w in recwarn if "hf_muon" in str(w.message)] == []
+
+
 @pytest.mark.parametrize("env, args, kind", [
     ({}, {}, None),                                                     # not launched on several ranks
     ({"LOCAL_RANK": "0", "WORLD_SIZE": "1"}, {"deepspeed": "x.json"}, None),

@@ -196,6 +196,20 @@ def test_runner_through_accelerate_launch(tmp_path):
     check_trained_with_muon(proc)
 
 
+def test_children_of_a_process_that_asked_for_muon_register_too(tmp_path):
+    # torch.multiprocessing.spawn's workers unpickling the parent's TrainingArguments failed with "muon is
+    # not a valid OptimizerNames": a child's command line has no --optim muon
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import os, subprocess, sys\n"
+        "print('REQUEST', os.environ.get('HF_MUON_REGISTER'))\n"
+        "code = \"import transformers.training_args as t; print('CHILD', 'muon' in t.OptimizerNames._value2member_map_)\"\n"
+        "subprocess.run([sys.executable, '-c', code], check=True)\n")
+    proc = python([str(parent), "--optim", "muon"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REQUEST 1" in proc.stdout and "CHILD True" in proc.stdout, proc.stdout
+
+
 def test_optim_args_mistake_stops_a_script_before_it_builds_anything(tmp_path):
     proc = python([TINY, "--output_dir", str(tmp_path), "--optim", "muon", "--optim_args", "momentum=0.9,warp=9",
                    *TINY_ARGS], timeout=120)

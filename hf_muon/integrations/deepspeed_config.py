@@ -23,6 +23,8 @@ Trainer patch (``integrations/transformers.py``) calls :func:`check_trainer` onc
 
 from __future__ import annotations
 
+import importlib.util
+
 import contextvars
 import inspect
 import os
@@ -256,4 +258,7 @@ def patch_accelerate(accelerator_module: ModuleType) -> None:
 
         return map_pytorch_optim_to_deepspeed
 
+    if not hasattr(accelerator_module, "map_pytorch_optim_to_deepspeed") and \
+            importlib.util.find_spec("deepspeed") is None:
+        return  # Accelerate defines it only where DeepSpeed is installed: nothing to swap, nothing to refuse
     wrap_once(accelerator_module, "map_pytorch_optim_to_deepspeed", wrap, "accelerate")
