@@ -59,7 +59,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             script = argv[0]
             sys.argv = [script, *argv[1:]]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+            # as `python script.py` does: the script's folder first, and not the current one that
+            # `python -m hf_muon.run` put there
+            here = os.path.dirname(os.path.abspath(script))
+            if sys.path and sys.path[0] in ("", os.getcwd()):
+                sys.path[0] = here
+            else:
+                sys.path.insert(0, here)
             runpy.run_path(script, run_name="__main__")
         succeeded = True
     except SystemExit as stop:

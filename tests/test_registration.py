@@ -210,6 +210,19 @@ def test_children_of_a_process_that_asked_for_muon_register_too(tmp_path):
     assert "REQUEST 1" in proc.stdout and "CHILD True" in proc.stdout, proc.stdout
 
 
+def test_runner_puts_the_scripts_folder_on_the_path_as_python_does(tmp_path):
+    # `python -m hf_muon.run scripts/s.py` also left the current folder on sys.path, `python scripts/s.py` does not
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "only_here.py").write_text("")
+    (tmp_path / "scripts" / "beside.py").write_text("")
+    (tmp_path / "scripts" / "s.py").write_text(
+        "import importlib.util as u\n"
+        "print('BESIDE', u.find_spec('beside') is not None, 'HERE', u.find_spec('only_here') is not None)\n")
+    plain = python(["scripts/s.py"], cwd=str(tmp_path))
+    runner = python(["-m", "hf_muon.run", "scripts/s.py"], cwd=str(tmp_path))
+    assert "BESIDE True HERE False" in plain.stdout and runner.stdout == plain.stdout, (plain, runner)
+
+
 def test_optim_args_mistake_stops_a_script_before_it_builds_anything(tmp_path):
     proc = python([TINY, "--output_dir", str(tmp_path), "--optim", "muon", "--optim_args", "momentum=0.9,warp=9",
                    *TINY_ARGS], timeout=120)
