@@ -38,6 +38,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from transformers.training_args import OptimizerNames  # noqa: E402
 
+from hf_muon.integrations.transformers import OPTIM_NAME  # noqa: E402
 from hf_muon.recipes.curves import loss_curves, steps_to_reach  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +80,8 @@ def parse_args() -> argparse.Namespace:
 
 def command_for(optim: str) -> list[str]:
     """Built-in Trainer optimizers run the script directly; others need the hf_muon runner."""
-    if optim in {name.value for name in OptimizerNames}:
+    # this process imported hf_muon (the recipe's curves), which added "muon" to OptimizerNames
+    if optim != OPTIM_NAME and optim in {name.value for name in OptimizerNames}:
         return [sys.executable, SCRIPT]
     return [sys.executable, "-m", "hf_muon.run", SCRIPT]
 

@@ -338,3 +338,19 @@ def test_step_time_target_reads_every_set():
     assert status == MET and measured == "a 0.70 x; b 0.72 x" and "AOL 4 steps" in detail and "(worse)" in detail
     assert _step_vs_torch_muon(fig1({"a": 0.7, "b": 0.8}, 0.6))[3] == MISSED  # one set too slow
     assert _step_vs_torch_muon(fig1({"a": 0.7, "b": 0.72}, 0.7))[3] == MISSED  # less orthogonal
+
+
+def test_the_demo_starts_its_muon_run_through_the_runner():
+    # the demo imports hf_muon, which adds "muon" to OptimizerNames: it took muon for a built-in
+    # optimizer and ran the script without the runner its docstring shows
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", os.path.join(ROOT, "examples", "demo.py"))
+    demo = importlib.util.module_from_spec(spec)
+    sys.modules["demo"] = demo  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(demo)
+    finally:
+        del sys.modules["demo"]
+    assert demo.command_for("muon")[1:] == ["-m", "hf_muon.run", demo.SCRIPT]
+    assert demo.command_for("adamw_torch")[1:] == [demo.SCRIPT]
