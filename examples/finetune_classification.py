@@ -110,6 +110,19 @@ class DataArguments:
         default=200, metadata={"help": "Evaluate on at most this many examples (a fixed random subset)."}
     )
 
+    def __post_init__(self) -> None:
+        # refused before any data or model work, each saying what to change
+        if not self.validation_file and not 0 < self.validation_percentage < 100:
+            raise ValueError(f"--validation_percentage must be in (0, 100) without --validation_file, "
+                             f"got {self.validation_percentage}")
+        for name in ("max_length", "max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be at least 1, got {value}")
+        if not self.train_file and len(set(self.stdlib_packages)) < 2:
+            raise ValueError(f"--stdlib_packages names the classes: give at least two different packages, "
+                             f"got {self.stdlib_packages}")
+
 
 def _bucket(name: str) -> int:
     """A stable pseudo-random number in [0, 100) for ``name`` (Python's hash() is salted)."""
@@ -175,6 +188,10 @@ def load_user_files(args: DataArguments, seed: int) -> datasets.DatasetDict:
         raw["validation"] = load_table(args.validation_file)
     if not isinstance(raw["train"].features["label"], datasets.ClassLabel):
         names = sorted(set(raw["train"]["label"]))
+        if len(names) < 2:
+            raise ValueError(f"{args.train_file} has {len(names)} label value(s) {names}: a classifier needs at least two")
+        if "validation" in raw and (unseen := sorted(set(raw["validation"]["label"]) - set(names), key=str)):
+            raise ValueError(f"{args.validation_file} has labels the training file lacks: {unseen[:5]}")
         class_id = {name: index for index, name in enumerate(names)}
         label_feature = datasets.ClassLabel(names=[str(name) for name in names])
         features = datasets.Features({"text": datasets.Value("string"), "label": label_feature})

@@ -6,6 +6,7 @@ report promises. It runs from a folder other than the repository (the pretrainin
 figure 5 ships in the package), as ``pip install hf-muon`` users run it.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -340,17 +341,70 @@ def test_step_time_target_reads_every_set():
     assert _step_vs_torch_muon(fig1({"a": 0.7, "b": 0.72}, 0.7))[3] == MISSED  # less orthogonal
 
 
+@contextlib.contextmanager
+def example_module(name: str):
+    """``examples/<name>.py`` loaded as a module (not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]
+
+
 def test_the_demo_starts_its_muon_run_through_the_runner():
     # the demo imports hf_muon, which adds "muon" to OptimizerNames: it took muon for a built-in
     # optimizer and ran the script without the runner its docstring shows
-    import importlib.util
+    with example_module("demo") as demo:
+        assert demo.command_for("muon")[1:] == ["-m", "hf_muon.run", demo.SCRIPT]
+        assert demo.command_for("adamw_torch")[1:] == [demo.SCRIPT]
 
-    spec = importlib.util.spec_from_file_location("demo", os.path.join(ROOT, "examples", "demo.py"))
-    demo = importlib.util.module_from_spec(spec)
-    sys.modules["demo"] = demo  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(demo)
-    finally:
-        del sys.modules["demo"]
-    assert demo.command_for("muon")[1:] == ["-m", "hf_muon.run", demo.SCRIPT]
-    assert demo.command_for("adamw_torch")[1:] == [demo.SCRIPT]
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model_type", "gpt2", "--num_kv_heads", "1"], "--num_kv_heads is for llama"),  # was ignored
+    (["--num_kv_heads", "3"], "must be a multiple of --num_kv_heads 3"),  # failed in the first forward
+    (["--hidden_size", "30"], "must be a multiple of --num_heads"),
+    (["--model_type", "bert"], "--model_type must be llama or gpt2"),
+    (["--seq_len", "0"], "--seq_len and --max_eval_samples must be at least 1"),
+    (["--max_eval_samples", "0"], "--seq_len and --max_eval_samples must be at least 1"),  # failed after training
+    (["--corpus_mb", "0"], "--corpus_mb must be > 0"),
+    (["--eval_file_percentage", "150"], "--eval_file_percentage must be in"),
+])
+def test_the_recipes_flags_are_checked_before_any_work(argv, message):
+    from transformers import HfArgumentParser
+
+    from hf_muon.recipes.pretrain_clm import DataArguments, ModelArguments
+
+    with pytest.raises(ValueError, match=message):
+        HfArgumentParser((ModelArguments, DataArguments)).parse_args_into_dataclasses(args=argv)
+    model, _ = HfArgumentParser((ModelArguments, DataArguments)).parse_args_into_dataclasses(args=[])
+    assert model.num_kv_heads == 2  # llama's default
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stdlib_packages", "asyncio"], "give at least two different packages"),  # a regression head, accuracy 1.0
+    (["--validation_percentage", "0"], "--validation_percentage must be in"),  # failed after training
+    (["--max_eval_samples", "0"], "--max_eval_samples must be at least 1"),
+])
+def test_the_finetuning_examples_flags_are_checked_before_any_work(argv, message):
+    from transformers import HfArgumentParser
+
+    with example_module("finetune_classification") as module:
+        with pytest.raises(ValueError, match=message):
+            HfArgumentParser(module.DataArguments).parse_args_into_dataclasses(args=argv)
+
+
+def test_the_finetuning_example_refuses_labels_it_cannot_learn(tmp_path):
+    with example_module("finetune_classification") as module:
+        (tmp_path / "train.csv").write_text("text,label\nhello,pos\nbad,neg\ngood,pos\n")
+        (tmp_path / "dev.csv").write_text("text,label\nsuper,pos\nso so,neutral\n")
+        (tmp_path / "one.csv").write_text("text,label\nhello,pos\ngood,pos\n")
+        args = module.DataArguments(train_file=str(tmp_path / "train.csv"), validation_file=str(tmp_path / "dev.csv"))
+        with pytest.raises(ValueError, match=r"dev.csv has labels the training file lacks: \['neutral'\]"):
+            module.load_user_files(args, 0)  # a bare KeyError: 'neutral'
+        with pytest.raises(ValueError, match="a classifier needs at least two"):
+            module.load_user_files(module.DataArguments(train_file=str(tmp_path / "one.csv")), 0)

@@ -81,14 +81,32 @@ class ModelArguments:
     hidden_size: int = field(default=192, metadata={"help": "Width of the residual stream."})
     num_layers: int = field(default=4, metadata={"help": "Number of transformer blocks."})
     num_heads: int = field(default=4, metadata={"help": "Number of attention (query) heads."})
-    num_kv_heads: int = field(
-        default=2, metadata={"help": "Number of key/value heads (grouped-query attention; llama only)."}
+    num_kv_heads: int | None = field(
+        default=None, metadata={"help": "Number of key/value heads (grouped-query attention; llama only). "
+                                        "Default: 2 for llama."}
     )
     intermediate_size: int = field(default=512, metadata={"help": "Width of the MLP."})
     max_position_embeddings: int = field(default=256, metadata={"help": "Longest supported sequence."})
     tie_word_embeddings: bool = field(
         default=False, metadata={"help": "Share the input embedding and the LM head weights."}
     )
+
+    def __post_init__(self) -> None:
+        # refused before any data work, each saying what to change
+        if self.model_type not in ("llama", "gpt2"):
+            raise ValueError(f"--model_type must be llama or gpt2, got {self.model_type!r}")
+        if self.model_type == "gpt2" and self.num_kv_heads is not None:
+            raise ValueError("--num_kv_heads is for llama: gpt2 has one key/value head per query head")
+        if self.model_type == "llama" and self.num_kv_heads is None:
+            self.num_kv_heads = 2
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings") + \
+                (("num_kv_heads",) if self.model_type == "llama" else ()):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"--hidden_size {self.hidden_size} must be a multiple of --num_heads {self.num_heads}")
+        if self.model_type == "llama" and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"--num_heads {self.num_heads} must be a multiple of --num_kv_heads {self.num_kv_heads}")
 
 
 @dataclass
@@ -119,6 +137,16 @@ class DataArguments:
     max_eval_samples: int | None = field(
         default=64, metadata={"help": "Evaluate on at most this many blocks (a fixed random subset)."}
     )
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or (self.max_eval_samples is not None and self.max_eval_samples < 1):
+            raise ValueError(f"--seq_len and --max_eval_samples must be at least 1, got {self.seq_len} and "
+                             f"{self.max_eval_samples}")
+        if not self.corpus_mb > 0:
+            raise ValueError(f"--corpus_mb must be > 0, got {self.corpus_mb}")
+        if not 0 <= self.eval_file_percentage < 100 or not 0 < self.validation_split_percentage < 100:
+            raise ValueError(f"--eval_file_percentage must be in [0, 100) and --validation_split_percentage in "
+                             f"(0, 100), got {self.eval_file_percentage} and {self.validation_split_percentage}")
 
 
 def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
@@ -161,6 +189,10 @@ def build_datasets(
         )
         blocks["eval"] = blocks.pop("test")
 
+    for split, what in (("train", "training"), ("eval", "evaluation")):
+        if len(blocks[split]) == 0:
+            raise ValueError(f"the {what} text holds no block of --seq_len {args.seq_len} tokens: give more text "
+                             "(--corpus_mb, --train_files/--eval_files) or a shorter --seq_len")
     eval_dataset = blocks["eval"]
     if args.max_eval_samples is not None and len(eval_dataset) > args.max_eval_samples:
         eval_dataset = eval_dataset.shuffle(seed=0).select(range(args.max_eval_samples))
@@ -172,8 +204,6 @@ def build_model(args: ModelArguments, seq_len: int) -> LlamaForCausalLM | GPT2LM
         raise ValueError(
             f"--seq_len {seq_len} exceeds --max_position_embeddings {args.max_position_embeddings}"
         )
-    if args.model_type not in ("llama", "gpt2"):
-        raise ValueError(f"--model_type must be llama or gpt2, got {args.model_type!r}")
     if args.model_type == "gpt2":
         gpt2 = GPT2Config(
             vocab_size=VOCAB_SIZE, n_embd=args.hidden_size, n_layer=args.num_layers, n_head=args.num_heads,
