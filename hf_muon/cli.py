@@ -23,7 +23,12 @@ def _build_model(path: str):
 
     from .planner.model import meta_model
 
-    return meta_model(transformers.AutoConfig.from_pretrained(path))
+    config = transformers.AutoConfig.from_pretrained(path)
+    try:
+        return meta_model(config)
+    except Exception as error:  # noqa: BLE001 - a config the model class refuses (its own asserts)
+        raise ValueError(f"transformers cannot build a {type(config).__name__} model from {path}: "
+                         f"{type(error).__name__}: {error}") from error
 
 
 def _human(n: float) -> str:
@@ -53,6 +58,11 @@ def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | N
     from .models.fused import fused_blocks
     from .optimizer.param_split import optimizer_state_bytes, split_parameters
 
+    for flag, pattern in (("--force_muon", force_muon), ("--force_adamw", force_adamw)):
+        try:
+            re.compile(pattern or "")
+        except re.error as error:
+            raise ValueError(f"{flag} {pattern!r} is not a valid regular expression ({error})") from None
     model = _build_model(path)
     split = split_parameters(model, force_muon, force_adamw)
     algorithm = {n: "muon" for n, _ in split.muon} | {n: "adamw" for n, _ in split.adamw}
@@ -137,6 +147,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from .planner.report import plans_json, plans_text, plot_plans
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if not args.bucket_mib > 0:
+        parser.exit(2, f"hf-muon plan: --bucket_mib must be > 0, got {args.bucket_mib}\n")
     try:
         plans = plan_model(args.model, args.layout, args.world, args.accelerator, args.interconnect,
                            ns_split=args.ns_split, peak_tflops=args.peak_tflops, link_gbs=args.link_gbs,

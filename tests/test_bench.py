@@ -408,3 +408,18 @@ def test_the_finetuning_example_refuses_labels_it_cannot_learn(tmp_path):
             module.load_user_files(args, 0)  # a bare KeyError: 'neutral'
         with pytest.raises(ValueError, match="a classifier needs at least two"):
             module.load_user_files(module.DataArguments(train_file=str(tmp_path / "one.csv")), 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--from_results", "/nonexistent/results.json"], "--from_results /nonexistent/results.json: cannot read"),
+    (["--quick", "--only", "fig5", "--pretrain_script", "/nonexistent.py"], "--pretrain_script /nonexistent.py: no such"),
+    (["--quick", "--only", ""], "names no figure"),  # ran nothing and exited 0
+    (["--only", "fig9"], "names unknown figure(s) ['fig9']"),
+])
+def test_bench_mistakes_stop_before_measuring(argv, message, tmp_path):
+    from hf_muon.bench.run import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--output_dir", str(tmp_path)])
+    assert message in str(stop.value)
+    assert not (tmp_path / "results.json").exists()

@@ -209,6 +209,10 @@ def test_one_process_without_accumulation_is_refused():
     with pytest.raises(ValueError, match="two batch sizes"):
         GradientNoiseScale(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=8,
                            accumulation_steps=1, world_size=1)
+    for warmup_steps in (-1, 2.5):  # -1 was accepted
+        with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0"):
+            GradientNoiseScale(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batch_size=8,
+                               accumulation_steps=2, world_size=1, warmup_steps=warmup_steps)
 
 
 def test_lr_multiplied_inside_step_only_for_every_group():

@@ -518,6 +518,7 @@ def test_cli_llama_3_8b_zero3(tmp_path):
     # accepted before: a negative latency printed a step of -0.0 ms, 500 steps a plan Muon would refuse
     (["llama-3-8b", "--layout", "ddp", "--world", "2", "--latency_us", "-5"], "--latency_us must be a number >= 0"),
     (["llama-3-8b", "--layout", "ddp", "--world", "2", "--ns_steps", "500"], "ns_steps must be an integer in [1, 100)"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--bucket_mib", "-5"], "--bucket_mib must be > 0, got -5.0"),
 ])
 def test_cli_bad_inputs(args, message):
     result = _cli(*args)

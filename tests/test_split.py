@@ -192,7 +192,7 @@ def test_inspect_cli_prints_the_split(tmp_path):
     assert "lm_head.weight" in out and "output embedding" in out
     assert "optimizer state" in out.lower()
     # mistakes end with a message, not a traceback (a bad regex, one that matches nothing, no model_type)
-    for args, message in ((["--force_muon", "("], "missing ), unterminated subpattern"),
+    for args, message in ((["--force_muon", "("], "--force_muon '(' is not a valid regular expression (missing )"),
                           (["--force_adamw", "q_prj"], "force_adamw='q_prj' matches no parameter")):
         run = hf_muon_cli("inspect", str(tmp_path), *args)
         assert run.returncode == 2 and run.stderr.startswith("hf-muon inspect: ") and message in run.stderr, run.stderr
@@ -200,6 +200,12 @@ def test_inspect_cli_prints_the_split(tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     run = hf_muon_cli("inspect", str(tmp_path / "empty"))
     assert run.returncode == 2 and "hf-muon inspect: Unrecognized model" in run.stderr, run.stderr
+    # a config the model class itself refuses (a pad id beyond the vocabulary: an AssertionError inside)
+    transformers.Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                            intermediate_size=96, vocab_size=256).save_pretrained(tmp_path / "refused")
+    run = hf_muon_cli("inspect", str(tmp_path / "refused"))
+    assert run.returncode == 2 and "hf-muon inspect: transformers cannot build a Phi3Config model" in run.stderr, \
+        run.stderr
     minilm = hf_muon_cli("inspect", minilm_path())
     assert minilm.returncode == 0
     assert "embeddings.word_embeddings.weight" in minilm.stdout and "input embedding" in minilm.stdout

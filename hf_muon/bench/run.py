@@ -1,7 +1,7 @@
 """``hf-muon bench``: run every figure of the benchmark and write ``results.json``, ``report.md`` and PNGs.
 
     hf-muon bench --quick                 # under 3 minutes on 2 CPU cores: checks the pipeline, judges nothing
-    hf-muon bench                         # the full preset (under 30 minutes on 2 quiet CPU cores)
+    hf-muon bench                         # the full preset (about 50 minutes on 2 quiet CPU cores)
     hf-muon bench --only fig1,fig3        # some figures only (fig1, fig2_4, fig3, fig5, fig6)
     hf-muon bench --from_results runs/bench/results.json   # rebuild report.md and PNGs, measure nothing
 
@@ -160,15 +160,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ.setdefault(var, "1")
     only = [f.strip() for f in args.only.split(",") if f.strip()]
     unknown = sorted(set(only) - set(FIGURES))
-    if unknown:
-        raise SystemExit(f"hf-muon bench: unknown figure(s) {unknown}; choose from {FIGURES}")
+    if unknown or not only:
+        named = f"unknown figure(s) {unknown}" if unknown else "no figure"
+        raise SystemExit(f"hf-muon bench: --only {args.only!r} names {named}; choose from {','.join(FIGURES)}")
     if args.from_results is not None:
-        return write_report(json.loads(args.from_results.read_text()), args.from_results.parent)
+        try:
+            results = json.loads(args.from_results.read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"hf-muon bench: --from_results {args.from_results}: cannot read a results.json there "
+                             f"({type(error).__name__}: {error})") from None
+        return write_report(results, args.from_results.parent)
     preset_name = "quick" if args.quick else "full"
     preset = copy.deepcopy(QUICK if args.quick else FULL)
     out_dir = args.output_dir or Path("runs/bench_quick" if args.quick else "runs/bench")
     out_dir.mkdir(parents=True, exist_ok=True)
     script = args.pretrain_script or (args.examples_dir / "pretrain_clm.py" if args.examples_dir else None)
+    if script is not None and "fig5" in only and not script.is_file():
+        raise SystemExit(f"hf-muon bench: --pretrain_script {script}: no such file")
     preset["fig5"]["script"] = str(script.resolve()) if script is not None else None
 
     from .common import loadavg, machine_info

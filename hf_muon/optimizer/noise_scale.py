@@ -150,6 +150,8 @@ class GradientNoiseScale:
         low, high = bounds
         if not 0 < low <= 1 <= high:
             raise ValueError(f"bounds must satisfy 0 < min <= 1 <= max, got {bounds}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.model = model
         self.optimizer = optimizer
         self.micro_batch_size = micro_batch_size
