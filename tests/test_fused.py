@@ -36,8 +36,16 @@ def tiny(name: str) -> torch.nn.Module:
         "falcon": lambda: T.FalconConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=HEADS, multi_query=False,
                                          new_decoder_architecture=False, **common),
         "mpt": lambda: T.MptConfig(d_model=D, n_layers=1, n_heads=HEADS, **common),
+        "imagegpt": lambda: T.ImageGPTConfig(n_embd=D, n_layer=1, n_head=HEADS, vocab_size=100, n_positions=32),
+        "neox_japanese": lambda: T.GPTNeoXJapaneseConfig(hidden_size=D, num_attention_heads=HEADS, num_hidden_layers=1,
+                                                         intermediate_multiple_size=1, **common),
+        "dbrx": lambda: T.DbrxConfig(d_model=D, n_heads=HEADS, n_layers=1, max_seq_len=32,
+                                     attn_config={"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 1e4},
+                                     ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 2, "moe_top_k": 1}, **common),
     }
     torch.manual_seed(0)
+    if name == "imagegpt":  # no AutoModelForCausalLM mapping
+        return T.ImageGPTForCausalImageModeling._from_config(configs[name](), attn_implementation="eager")
     return T.AutoModelForCausalLM.from_config(configs[name](), attn_implementation="eager")
 
 
@@ -48,11 +56,11 @@ def attention(model, ids) -> torch.Tensor:
 
 
 def kv_heads(name: str) -> int:
-    return {"phi3": KV, "falcon_new": KV, "falcon_mq": 1, "bigcode_mq": 1}.get(name, HEADS)
+    return {"phi3": KV, "falcon_new": KV, "falcon_mq": 1, "bigcode_mq": 1, "dbrx": KV}.get(name, HEADS)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bigcode_mq", "bigcode", "phi3", "neox", "bloom", "falcon_new", "falcon_mq",
-                                  "falcon", "mpt"])
+                                  "falcon", "mpt", "imagegpt", "neox_japanese", "dbrx"])
 def test_each_head_block_is_what_the_models_attention_reads(name):
     """Perturb the weight's rows (columns for Conv1D) of one head block: a query head's block changes
     that head's attention only, a key head's block the query heads of its group, a value block none."""
@@ -87,6 +95,15 @@ def test_blocks_cover_every_row_once_and_name_the_logical_matrices():
     assert fused_blocks(tiny("phi3"), "none") == {}
     with pytest.raises(ValueError, match="ns_split must be one of"):
         fused_blocks(tiny("phi3"), "rows")
+
+
+def test_phi3_mlps_copies_are_cut_in_gate_and_up():
+    """GLM (and other copies of Phi3MLP) keep gate | up in one gate_up_proj: it was orthogonalized whole."""
+    model = T.GlmForCausalLM(T.GlmConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=8,
+                                         num_hidden_layers=1, intermediate_size=96, vocab_size=100, pad_token_id=0))
+    (name, blocks), = fused_blocks(model, "block").values()
+    assert name == "model.layers.0.mlp.gate_up_proj.weight" and blocks.names == ("gate", "up")
+    assert blocks.sizes() == [96, 96] and blocks.axis == 0
 
 
 def test_head_split_also_cuts_separate_projections():

@@ -168,6 +168,16 @@ def _phi3_mlp(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Block
     yield module.gate_up_proj, _contiguous(0, [("gate", ff), ("up", ff)])
 
 
+def _up_gate_mlp(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    ff = module.gate_up_proj.out_features // 2  # ``up_states, gate = ....chunk(2, dim=-1)``
+    yield module.gate_up_proj, _contiguous(0, [("up", ff), ("gate", ff)])
+
+
+def _dbrx_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    kv = module.num_key_value_heads * module.head_dim
+    yield module.Wqkv, _contiguous(0, [("q", module.hidden_size), ("k", kv), ("v", kv)])
+
+
 def _interleaved_per_head(attribute: str) -> Rule:
     """Output viewed as ``[heads, 3, head_dim]`` (GPT-NeoX, Bloom, Persimmon)."""
     def rule(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
@@ -240,27 +250,39 @@ def _experts_gate_up(module: nn.Module, config: Any) -> Iterator[tuple[Tensor, B
 
 FUSED_RULES: dict[str, Rule] = {
     "GPT2Attention": _gpt2_attention,
-    "DecisionTransformerGPT2Attention": _gpt2_attention,  # a copy of GPT2Attention, not a subclass
+    # copies of GPT2Attention, not subclasses
+    "DecisionTransformerGPT2Attention": _gpt2_attention,
+    "ImageGPTAttention": _gpt2_attention,
     "GPTBigCodeAttention": _gpt_bigcode_attention,
     "Phi3Attention": _phi3_attention,
     "Phi3MLP": _phi3_mlp,
+    # Phi3MLP's copies (``gate, up = gate_up_proj(x).chunk(2, dim=-1)``), one with up first
+    **{name: _phi3_mlp for name in ("GlmMLP", "Glm4MLP", "Glm4vTextMLP", "GlmImageTextMLP", "GlmOcrTextMLP", "DiaMLP",
+                                    "Dots3NoteAudioMLP", "EsmFold2SwiGLU", "MiniMaxM3VLDenseMLP", "Phi4MultimodalMLP")},
+    "Phi4MultimodalAudioMLP": _up_gate_mlp,
     "GPTNeoXAttention": _interleaved_per_head("query_key_value"),
+    "GPTNeoXJapaneseAttention": _interleaved_per_head("query_key_value"),
     "BloomAttention": _interleaved_per_head("query_key_value"),
     "PersimmonAttention": _interleaved_per_head("query_key_value"),
     "FalconAttention": _falcon_attention,
     "MptAttention": _mpt_attention,
+    "DbrxAttention": _dbrx_attention,
 }
 # Where each supported model keeps its fused weights (the README's table is checked against this).
 MODEL_TABLE = (
-    ("GPT-2, DistilGPT-2, DecisionTransformer", "GPT2Attention, DecisionTransformerGPT2Attention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
+    ("GPT-2, DistilGPT-2, DecisionTransformer, ImageGPT", "GPT2Attention, DecisionTransformerGPT2Attention, ImageGPTAttention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
     ("GPT-BigCode (StarCoder 1)", "GPTBigCodeAttention", "c_attn: q | k | v rows (multi-query: d | hd | hd), else per head"),
     ("Phi-3, Phi-3.5, Phi-4", "Phi3Attention, Phi3MLP", "qkv_proj: q | k | v rows (GQA sizes); gate_up_proj: gate | up"),
-    ("GPT-NeoX, Pythia", "GPTNeoXAttention", "query_key_value: [q_h | k_h | v_h] per head"),
+    ("GPT-NeoX, Pythia, GPT-NeoX-Japanese", "GPTNeoXAttention, GPTNeoXJapaneseAttention",
+     "query_key_value: [q_h | k_h | v_h] per head"),
     ("Bloom", "BloomAttention", "query_key_value: [q_h | k_h | v_h] per head"),
     ("Persimmon", "PersimmonAttention", "query_key_value: [q_h | k_h | v_h] per head"),
     ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
      "q | k | v (multi-query) or per head"),
     ("MPT", "MptAttention", "Wqkv: q | k | v rows"),
+    ("DBRX", "DbrxAttention", "Wqkv: q | k | v rows (GQA sizes)"),
+    ("GLM, GLM-4 (and GLM-4V, GLM-Image, GLM-OCR text), Dia, Phi-4-multimodal, MiniMax-M3-VL, ...",
+     "GlmMLP, Glm4MLP, ... (Phi3MLP's copies)", "gate_up_proj: gate | up (Phi-4-multimodal's audio MLP: up | gate)"),
     ("MoEs with stacked experts on transformers 5 (Mixtral, Qwen-MoE, DeepSeek, OLMoE, Llama 4, GPT-OSS, ...)",
      "any ...Experts with 3-D gate_up_proj and down_proj",
      "gate_up_proj: each expert's gate | up (rows; columns where used as x @ W[e]; GPT-OSS: alternating columns)"),
