@@ -66,19 +66,18 @@ def tiny_llama():
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
 
 
-def grad_of(model, batch) -> torch.Tensor:
+def grad_of(model, batch, params=None) -> torch.Tensor:
     model.zero_grad()
     model(**batch).loss.backward()
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return torch.cat([p.grad.reshape(-1) for p in (params or list(model.parameters()))])
 
 
-def test_hooks_measure_each_micro_batch_and_undo_accumulation_in_a_plain_loop():
-    model = tiny_llama()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    gas, mb = 3, 2
+def check_norms_in_a_plain_loop(model, optimizer, params=None, gas: int = 3, mb: int = 2) -> None:
+    """The hooks' ``|G_small|^2`` and ``|G_big|^2`` over ``params`` (default: all) equal each micro-batch's
+    own gradient computed apart, in a plain accumulation loop."""
     torch.manual_seed(1)
     batches = [{"input_ids": (ids := torch.randint(0, 64, (mb, 16))), "labels": ids} for _ in range(gas)]
-    micro = [grad_of(model, b) for b in batches]
+    micro = [grad_of(model, b, params) for b in batches]
     model.zero_grad()
     noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas).attach()
     for b in batches:
@@ -88,6 +87,11 @@ def test_hooks_measure_each_micro_batch_and_undo_accumulation_in_a_plain_loop():
     big = (sum(micro) / gas).square().sum().item()
     assert noise.last_norms == pytest.approx((small, big), rel=1e-5)
     noise.detach()
+
+
+def test_hooks_measure_each_micro_batch_and_undo_accumulation_in_a_plain_loop():
+    model = tiny_llama()
+    check_norms_in_a_plain_loop(model, torch.optim.SGD(model.parameters(), lr=0.0))
 
 
 @pytest.mark.parametrize("optimizer_kind", ["hf_muon", "sgd"])
@@ -99,23 +103,7 @@ def test_both_norms_cover_the_tensors_the_optimizer_steps(optimizer_kind):
     model = tiny_llama()
     layers = [p for n, p in model.named_parameters() if ".layers." in n]
     optimizer = Muon(layers, model=model, lr=0.0) if optimizer_kind == "hf_muon" else torch.optim.SGD(layers, lr=0.0)
-    gas, mb = 2, 2
-    torch.manual_seed(1)
-    batches = [{"input_ids": (ids := torch.randint(0, 64, (mb, 16))), "labels": ids} for _ in range(gas)]
-    micro = []
-    for b in batches:
-        model.zero_grad()
-        model(**b).loss.backward()
-        micro.append(torch.cat([p.grad.reshape(-1) for p in layers]))
-    model.zero_grad()
-    noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas).attach()
-    for b in batches:
-        (model(**b).loss / gas).backward()
-    optimizer.step()
-    small = sum(g.square().sum() for g in micro).item() / gas
-    big = (sum(micro) / gas).square().sum().item()
-    assert noise.last_norms == pytest.approx((small, big), rel=1e-5)
-    noise.detach()
+    check_norms_in_a_plain_loop(model, optimizer, layers, gas=2)
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])
