@@ -524,7 +524,7 @@ class Muon(Optimizer):
         # (matrices_index, data_ptr, numel) of each flat tensor seen -> (the flat, its partition)
         self._partitions: dict[tuple[int, int, int], tuple[Tensor, FlatPartition]] = {}
         # per flat partition and plan: (its exchange, its tensors' shapes, their blocks, their orientations)
-        self._partition_exchanges: dict[tuple, tuple[Exchange, list, list]] = {}
+        self._partition_exchanges: dict[tuple, tuple[Exchange, list, list, list]] = {}
         # per family of Muon groups of whole or FSDP2 tensors that share an exchange (see
         # _whole_tensors_step): (what its plan depends on, its exchange or None)
         self._group_exchanges: dict[tuple, tuple[tuple, Exchange | None]] = {}
@@ -537,7 +537,8 @@ class Muon(Optimizer):
         self._source_model = weakref.ref(source_model) if source_model is not None else None
         self._group_blocks: list[list[Blocks | None]] = []
         self._group_in_by_out: list[list[bool]] = []
-        self._model_tensors: set[int] = set()  # id of each model tensor when the blocks were read
+        self._model_tensors: set[int] = set()  # id of each model tensor when the tables were read
+        self._in_by_out_ids: set[int] = set()
         super().__init__(groups, defaults)
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
@@ -655,26 +656,33 @@ class Muon(Optimizer):
         self.add_telemetry_source(figures)
         return clip
 
+    def _read_model(self, params: list[Tensor]) -> nn.Module | None:
+        """The model (``None`` when not known or gone), its tables read again when ``params`` holds a
+        tensor they have not seen (a group of tensors added to the model later)."""
+        model = self._source_model() if self._source_model is not None else None
+        if model is not None and not self._model_tensors.issuperset(map(id, params)):
+            self._model_tensors = {id(p) for p in model.parameters()}
+            self._in_by_out_ids = stored_in_by_out(model)
+            self._fused = {split: {**table, **fused_blocks(model, split)} for split, table in self._fused.items()}
+        return model
+
     def _blocks_of(self, group: dict) -> list[Blocks | None]:
         """The blocks of each of a new group's tensors (``None``: orthogonalized whole)."""
-        model = self._source_model() if self._source_model is not None else None
+        model = self._read_model(group["params"])
         if group["algorithm"] != MUON or model is None:
             return [None] * len(group["params"])
         split = group["ns_split"]
-        if split not in self._fused or not self._model_tensors.issuperset(map(id, group["params"])):
-            # read once per split, and again for a group of tensors added to the model later
-            self._model_tensors = {id(p) for p in model.parameters()}
-            self._fused[split] = {**self._fused.get(split, {}), **fused_blocks(model, split)}
+        if split not in self._fused:
+            self._fused[split] = fused_blocks(model, split)
         table = self._fused[split]
         return [table[id(p)][1] if id(p) in table else None for p in group["params"]]
 
     def _in_by_out_of(self, group: dict) -> list[bool]:
-        """Whether each of a new group's tensors is stored ``[in, out]`` (transformers' ``Conv1D``)."""
-        model = self._source_model() if self._source_model is not None else None
-        if group["algorithm"] != MUON or model is None:
+        """Whether each of a new group's tensors is stored ``[in, out]`` (transformers' ``Conv1D``,
+        stacked experts used as ``x @ W[e]``)."""
+        if group["algorithm"] != MUON or self._read_model(group["params"]) is None:
             return [False] * len(group["params"])
-        transposed = stored_in_by_out(model)
-        return [id(p) in transposed for p in group["params"]]
+        return [id(p) in self._in_by_out_ids for p in group["params"]]
 
     def fused_blocks(self) -> dict[str, Blocks]:
         """``parameter name -> Blocks`` of every Muon tensor orthogonalized block by block."""
@@ -817,12 +825,12 @@ class Muon(Optimizer):
 
     def _whole_tensors_step(self, groups: list[tuple[dict, list[Tensor], list[Blocks | None], list[bool]]]) -> None:
         """The Muon groups of whole or FSDP2 tensors (with the tensors that have gradients, their
-        blocks and orientations). Groups whose owner plans cost alike (same process group, Newton–Schulz steps and
-        dtype; stacked experts or not) share one exchange: one plan and one pipeline of collectives
-        for all of them. Groups one after another would each wait for their busiest owner, so one
-        group per layer (per-layer learning rates) of Llama-3-8B at 64 ranks would put 123 TFLOP of
-        Newton–Schulz on the step's critical path instead of 8. In one process they share
-        Newton–Schulz batches the same way."""
+        blocks and orientations). Groups whose owner plans cost alike (same process group,
+        Newton–Schulz steps and dtype; stacked experts or not) share one exchange: one plan and one
+        pipeline of collectives for all of them. Groups one after another would each wait for their
+        busiest owner, so one group per layer (per-layer learning rates) of Llama-3-8B at 64 ranks
+        would put 123 TFLOP of Newton–Schulz on the step's critical path instead of 8. In one process
+        they share Newton–Schulz batches the same way."""
         families: dict[tuple, list[tuple[dict, list[Tensor], list[Blocks | None], list[bool]]]] = {}
         for group, with_grad, blocks, in_by_out in groups:
             for p in with_grad:
