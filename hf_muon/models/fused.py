@@ -270,7 +270,8 @@ FUSED_RULES: dict[str, Rule] = {
 }
 # Where each supported model keeps its fused weights (the README's table is checked against this).
 MODEL_TABLE = (
-    ("GPT-2, DistilGPT-2, DecisionTransformer, ImageGPT", "GPT2Attention, DecisionTransformerGPT2Attention, ImageGPTAttention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
+    ("GPT-2, DistilGPT-2, DecisionTransformer, ImageGPT", "GPT2Attention, DecisionTransformerGPT2Attention, "
+     "ImageGPTAttention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
     ("GPT-BigCode (StarCoder 1)", "GPTBigCodeAttention", "c_attn: q | k | v rows (multi-query: d | hd | hd), else per head"),
     ("Phi-3, Phi-3.5, Phi-4", "Phi3Attention, Phi3MLP", "qkv_proj: q | k | v rows (GQA sizes); gate_up_proj: gate | up"),
     ("GPT-NeoX, Pythia, GPT-NeoX-Japanese", "GPTNeoXAttention, GPTNeoXJapaneseAttention",

@@ -63,10 +63,10 @@ class AttentionLayer:
 
     def query_key_parameters(self) -> list[tuple[str, Tensor]]:
         """The parameters that make this layer's queries and keys (GPT-2: ``c_attn``, v included)."""
-        names = ("c_attn.weight", "c_attn.bias") if self.fused_qkv else \
-            ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
-        found = [(n, self.module.get_submodule(n.split(".")[0])) for n in names]
-        return [(n, getattr(m, n.split(".")[1])) for n, m in found if getattr(m, n.split(".")[1]) is not None]
+        holders = ("c_attn",) if self.fused_qkv else ("q_proj", "k_proj")
+        found = [(f"{name}.{kind}", getattr(getattr(self.module, name), kind))
+                 for name in holders for kind in ("weight", "bias")]
+        return [(n, p) for n, p in found if p is not None]
 
     def trains(self) -> bool:
         """Whether the query/key parameters train (all of them) or are frozen (all); refused when mixed:
