@@ -223,6 +223,18 @@ def test_runner_puts_the_scripts_folder_on_the_path_as_python_does(tmp_path):
     assert "BESIDE True HERE False" in plain.stdout and runner.stdout == plain.stdout, (plain, runner)
 
 
+def test_a_reload_of_the_training_arguments_keeps_muon():
+    # with every hooked module loaded before hf_muon, the import hook left sys.meta_path, and a reload of
+    # transformers.training_args dropped muon
+    from hf_muon.integrations.import_hook import HOOKS
+
+    code = ("import importlib; " + "; ".join(f"import {hook.module}" for hook in HOOKS) + "; import hf_muon; "
+            "import transformers.training_args as t; importlib.reload(t); "
+            "print('AFTER', 'muon' in t.OptimizerNames._value2member_map_)")
+    proc = python(["-c", code], env=clean_env(DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 0 and "AFTER True" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_optim_args_mistake_stops_a_script_before_it_builds_anything(tmp_path):
     proc = python([TINY, "--output_dir", str(tmp_path), "--optim", "muon", "--optim_args", "momentum=0.9,warp=9",
                    *TINY_ARGS], timeout=120)

@@ -129,14 +129,13 @@ _FINDER = _PostImportFinder()
 def register_when_transformers_loads() -> None:
     """Register ``muon`` with transformers (and ``HfMuon`` with DeepSpeed, Accelerate's checks) now for
     the modules already loaded, and on import for the rest. Idempotent; never raises for a hook."""
-    pending = False
     for hook in HOOKS:
         module = sys.modules.get(hook.module)
         if module is not None and hasattr(module, hook.defines):
             run_hook(hook, module)
-        else:
-            pending = True
-    if pending and _FINDER not in sys.meta_path:
+    # kept even when every hooked module is loaded: importlib.reload of one finds its spec here again
+    # (transformers' OptimizerNames would lose muon otherwise); a miss costs a dict lookup per import
+    if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
 
 
