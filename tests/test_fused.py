@@ -167,7 +167,11 @@ def tiny_moe(name: str) -> torch.nn.Module:
         "gpt_oss": lambda: T.GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **common),
     }
     torch.manual_seed(0)
-    return T.AutoModelForCausalLM.from_config(configs[name]())
+    model = T.AutoModelForCausalLM.from_config(configs[name]())
+    if not any(type(m).__name__.endswith("Experts") and getattr(m, "gate_up_proj", None) is not None
+               for m in model.modules()):
+        pytest.skip(f"transformers {T.__version__} keeps {name}'s experts as Linears of their own, not stacked")
+    return model
 
 
 def expert_output(experts: torch.nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
