@@ -125,11 +125,15 @@ def wrap(backend: str, model: nn.Module, world: int, mesh_per_unit: bool = False
 
 def matrices_per_step(opt) -> int:
     """Newton–Schulz runs one optimizer step makes: one per Muon tensor, one per block of a fused one,
-    one per matrix of a stacked one (a MoE layer's experts)."""
-    tensors = sum(math.prod(getattr(p, "ds_shape", p.shape)[:-2]) if g["stacked"] else 1
-                  for g, t in zip(opt.param_groups, opt._group_tensors) if g["algorithm"] == "muon" for p in t)
-    blocks = opt.fused_blocks().values()
-    return tensors + sum(len(b.segments) - 1 for b in blocks)
+    one per matrix of a stacked one (a MoE layer's experts), times its blocks (each expert's gate | up)."""
+    count = 0
+    for g, tensors, cuts in zip(opt.param_groups, opt._group_tensors, opt._group_blocks):
+        if g["algorithm"] != "muon":
+            continue
+        for p, cut in zip(tensors, cuts):
+            matrices = math.prod(getattr(p, "ds_shape", p.shape)[:-2]) if g["stacked"] else 1
+            count += matrices * (len(cut.segments) if cut is not None else 1)
+    return count
 
 
 def counting_newton_schulz():
