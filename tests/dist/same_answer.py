@@ -16,7 +16,6 @@ import argparse
 import copy
 import datetime
 import json
-import math
 import sys
 
 import torch
@@ -124,15 +123,18 @@ def wrap(backend: str, model: nn.Module, world: int, mesh_per_unit: bool = False
 
 
 def matrices_per_step(opt) -> int:
-    """Newton–Schulz runs one optimizer step makes: one per Muon tensor, one per block of a fused one,
-    one per matrix of a stacked one (a MoE layer's experts), times its blocks (each expert's gate | up)."""
+    """Newton–Schulz runs one optimizer step makes: the matrices the owner plan costs (``ns_matrices`` of
+    each Muon tensor's layout: one, a fused one's blocks, a stack's matrices times their blocks)."""
+    from hf_muon.distributed.layout import replicated, with_blocks
+    from hf_muon.models.fused import block_shapes
+
     count = 0
     for g, tensors, cuts in zip(opt.param_groups, opt._group_tensors, opt._group_blocks):
-        if g["algorithm"] != "muon":
-            continue
-        for p, cut in zip(tensors, cuts):
-            matrices = math.prod(getattr(p, "ds_shape", p.shape)[:-2]) if g["stacked"] else 1
-            count += matrices * (len(cut.segments) if cut is not None else 1)
+        if g["algorithm"] == "muon":
+            shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in tensors]
+            layouts = with_blocks([replicated(shape, g["stacked"], 1) for shape in shapes],
+                                  [block_shapes(shape, cut) for shape, cut in zip(shapes, cuts)])
+            count += sum(len(layout.ns_matrices) for layout in layouts)
     return count
 
 
