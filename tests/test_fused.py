@@ -39,6 +39,7 @@ def tiny(name: str) -> torch.nn.Module:
         "imagegpt": lambda: T.ImageGPTConfig(n_embd=D, n_layer=1, n_head=HEADS, vocab_size=100, n_positions=32),
         "neox_japanese": lambda: T.GPTNeoXJapaneseConfig(hidden_size=D, num_attention_heads=HEADS, num_hidden_layers=1,
                                                          intermediate_multiple_size=1, **common),
+        "codegen": lambda: T.CodeGenConfig(n_embd=D, n_layer=1, n_head=HEADS, rotary_dim=4, n_positions=32, **common),
         "dbrx": lambda: T.DbrxConfig(d_model=D, n_heads=HEADS, n_layers=1, max_seq_len=32,
                                      attn_config={"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 1e4},
                                      ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 2, "moe_top_k": 1}, **common),
@@ -60,7 +61,7 @@ def kv_heads(name: str) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bigcode_mq", "bigcode", "phi3", "neox", "bloom", "falcon_new", "falcon_mq",
-                                  "falcon", "mpt", "imagegpt", "neox_japanese", "dbrx"])
+                                  "falcon", "mpt", "imagegpt", "neox_japanese", "dbrx", "codegen"])
 def test_each_head_block_is_what_the_models_attention_reads(name):
     """Perturb the weight's rows (columns for Conv1D) of one head block: a query head's block changes
     that head's attention only, a key head's block the query heads of its group, a value block none."""
@@ -84,6 +85,32 @@ def test_each_head_block_is_what_the_models_attention_reads(name):
                     "k": [h // group == int(head) for h in range(HEADS)],
                     "v": [False] * HEADS}[kind]
         assert changed == expected, f"{name} {block_name}: heads changed {changed}"
+
+
+def test_codegen_heads_that_span_two_model_parallel_groups():
+    """CodeGen views qkv_proj's output as 4 groups of [q | v | k]; with 6 heads of 8 in d=48 a group
+    holds 12 query rows, so heads 1 and 4 take rows from two groups. Each head block, cut across the
+    groups, changes that head's attention only; the block split reads q, k and v from every group."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(
+        T.CodeGenConfig(n_embd=48, n_layer=1, n_head=6, rotary_dim=4, n_positions=32, vocab_size=100,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0), attn_implementation="eager")
+    (_, blocks), = fused_blocks(model, "block").values()
+    assert blocks.names == ("q", "v", "k")
+    assert blocks.segments[0] == ((0, 12), (36, 12), (72, 12), (108, 12))  # each group's first third
+    ids = torch.randint(1, 100, (1, 12))
+    base = attention(model, ids)
+    (param_name, blocks), = fused_blocks(model, "head").values()
+    assert [len(runs) for runs in blocks.segments[:6]] == [1, 2, 1, 1, 2, 1]
+    for block, block_name in zip(blocks.indices(), blocks.names):
+        if not block_name.startswith("q"):
+            continue
+        perturbed = copy.deepcopy(model)
+        w = perturbed.get_parameter(param_name)
+        with torch.no_grad():
+            w.index_add_(0, block, torch.randn_like(w.index_select(0, block)))
+        changed = [not torch.allclose(a, b, atol=1e-6) for a, b in zip(attention(perturbed, ids)[0], base[0])]
+        assert changed == [h == int(block_name[3:]) for h in range(6)], f"{block_name}: heads changed {changed}"
 
 
 def test_blocks_cover_every_row_once_and_name_the_logical_matrices():

@@ -115,10 +115,23 @@ def _per_head(blocks: Blocks, head_dim: int, attention: tuple[str, ...] = ("q", 
             segments.append(runs)
             names.append(name)
             continue
-        heads = [(start + h, head_dim) for start, length in runs for h in range(0, length, head_dim)]
-        segments.extend(((run,) for run in heads))
+        # a head may span two runs (CodeGen's groups of queries need not hold whole heads)
+        order = [i for start, length in runs for i in range(start, start + length)]
+        heads = [_runs(order[h:h + head_dim]) for h in range(0, len(order), head_dim)]
+        segments.extend(heads)
         names.extend(f"{name}.h{i}" for i in range(len(heads)))
     return Blocks(blocks.axis, tuple(segments), tuple(names))
+
+
+def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
+    """``indices`` as ``(start, length)`` runs of consecutive indices, in order."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return tuple((start, length) for start, length in runs)
 
 
 def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
@@ -200,6 +213,13 @@ def _falcon_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Modul
         yield from _interleaved_per_head("query_key_value")(module, config)
 
 
+def _codegen_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    # output viewed as [mp_num, 3 * local]: per model-parallel group its queries | values | keys
+    groups = getattr(module, "mp_num", 4)  # transformers 4 hard-codes 4 in ``forward``
+    local = module.embed_dim // groups
+    yield module.qkv_proj, _strided(0, groups, 3 * local, [("q", 0, local), ("v", local, local), ("k", 2 * local, local)])
+
+
 def _mpt_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
     d = module.Wqkv.out_features // 3
     yield module.Wqkv, _contiguous(0, [("q", d), ("k", d), ("v", d)])
@@ -266,6 +286,7 @@ FUSED_RULES: dict[str, Rule] = {
     "PersimmonAttention": _interleaved_per_head("query_key_value"),
     "FalconAttention": _falcon_attention,
     "MptAttention": _mpt_attention,
+    "CodeGenAttention": _codegen_attention,
     "DbrxAttention": _dbrx_attention,
 }
 # Where each supported model keeps its fused weights (the README's table is checked against this).
@@ -281,6 +302,7 @@ MODEL_TABLE = (
     ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
      "q | k | v (multi-query) or per head"),
     ("MPT", "MptAttention", "Wqkv: q | k | v rows"),
+    ("CodeGen", "CodeGenAttention", "qkv_proj: per model-parallel group (4) [its q | v | k] rows"),
     ("DBRX", "DbrxAttention", "Wqkv: q | k | v rows (GQA sizes)"),
     ("GLM, GLM-4 (and GLM-4V, GLM-Image, GLM-OCR text), Dia, Phi-4-multimodal, MiniMax-M3-VL, ...",
      "GlmMLP, Glm4MLP, ... (Phi3MLP's copies)", "gate_up_proj: gate | up (Phi-4-multimodal's audio MLP: up | gate)"),
