@@ -4,6 +4,7 @@ ZeRO-3 and FSDP2 (see test_distributed.py / test_zero.py for the launches)."""
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -111,6 +112,112 @@ def test_codegen_heads_that_span_two_model_parallel_groups():
             w.index_add_(0, block, torch.randn_like(w.index_select(0, block)))
         changed = [not torch.allclose(a, b, atol=1e-6) for a, b in zip(attention(perturbed, ids)[0], base[0])]
         assert changed == [h == int(block_name[3:]) for h in range(6)], f"{block_name}: heads changed {changed}"
+
+
+def capture_attention_inputs():
+    """Register an attention implementation that records the query, key and value it gets
+    (``[batch, heads, tokens, head_dim]``) and runs SDPA; returns its name and the record."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen = {}
+
+    def capture(module, query, key, value, *args, **kwargs):
+        seen.update(q=query.detach().clone(), k=key.detach().clone(), v=value.detach().clone())
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("hf_muon_capture", capture)
+    return "hf_muon_capture", seen
+
+
+def qkv_model(name: str, implementation: str):
+    """A one-layer model with a ``[3, heads, head_dim]`` fused qkv, and a function running it."""
+    torch.manual_seed(0)
+    if name == "modernbert":
+        model = T.AutoModel.from_config(T.ModernBertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                           intermediate_size=48, vocab_size=100, pad_token_id=0,
+                                                           bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                                           sep_token_id=2), attn_implementation=implementation)
+        ids = torch.randint(3, 100, (1, 8))
+        return model, lambda m: m(ids)
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    config = T.Qwen2VLVisionConfig(depth=1, embed_dim=32, num_heads=4, hidden_size=32, mlp_ratio=2, patch_size=2,
+                                   temporal_patch_size=1, spatial_merge_size=1, in_channels=3)
+    config._attn_implementation = implementation
+    model = Qwen2VisionTransformerPretrainedModel._from_config(config)
+    pixels, grid = torch.randn(16, 12), torch.tensor([[1, 4, 4]])
+    return model, lambda m: m(pixels, grid_thw=grid)
+
+
+@pytest.mark.parametrize("name", ["modernbert", "qwen2_vl_vision"])
+def test_each_qkv_head_block_is_what_the_attention_gets(name):
+    """ModernBERT's Wqkv and Qwen2-VL's vision qkv (``.reshape(..., 3, heads, -1)``): perturbing block
+    ``q.h2`` changes query head 2 only and nothing of the keys and values, and so on."""
+    implementation, seen = capture_attention_inputs()
+    model, run = qkv_model(name, implementation)
+    model.eval()
+    with torch.no_grad():
+        run(model)
+    base = dict(seen)
+    (param_name, blocks), = fused_blocks(model, "head").values()
+    assert len(blocks.names) == 12
+    for block, block_name in zip(blocks.indices(), blocks.names):
+        perturbed = copy.deepcopy(model)
+        w = perturbed.get_parameter(param_name)
+        with torch.no_grad():
+            w.index_add_(0, block, torch.randn_like(w.index_select(0, block)))
+            run(perturbed)
+        kind, head = block_name.split(".h")
+        for which in "qkv":
+            changed = [not torch.equal(a, b) for a, b in zip(seen[which][0], base[which][0])]
+            assert changed == [which == kind and h == int(head) for h in range(4)], f"{block_name}: {which} {changed}"
+
+
+def test_qkv_thirds_modules_view_their_qkv_as_three_parts():
+    """Each module read as ``[3, heads, head_dim]`` does so in its own ``forward`` (read from the
+    installed transformers' source; a release that changes one fails here)."""
+    import re
+    from pathlib import Path
+
+    from hf_muon.models.fused import QKV_THIRDS
+
+    files = sorted((Path(T.__file__).parent / "models").glob("*/modeling_*.py"))
+    view = re.compile(r"self\.qkv\((\w+)\)[\s\S]{0,160}?\.(reshape|view)\([^)]*?,\s*3,\s*"
+                      r"self\.(num_heads|num_attention_heads|groups)\b")
+    checked = 0
+    for key in QKV_THIRDS:
+        stem, _, cls = key.rpartition(".")
+        for path in files:
+            if stem and path.stem != stem:
+                continue
+            text = path.read_text()
+            start = text.find(f"\nclass {cls}(")
+            if start < 0:
+                continue
+            end = text.find("\nclass ", start + 1)
+            assert view.search(text[start:end if end > 0 else None]), f"{cls} ({path.name}) no longer reads qkv as [3, heads, ...]"
+            checked += 1
+            break
+    assert checked >= 10, f"only {checked} of the modules found in this transformers"
+
+
+def test_unknown_fused_looking_weights_are_warned_about():
+    """A module hf_muon has no layout for, holding ``qkv``: warned (orthogonalized whole), unless frozen."""
+    class MyAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    model = torch.nn.Sequential(MyAttention(), torch.nn.Linear(16, 16))
+    with pytest.warns(UserWarning, match=r"1 weight\(s\) look fused .* 0\.qkv\.weight \(MyAttention\)"):
+        Muon(model, lr=0.02)
+    model[0].qkv.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon(model, lr=0.02)
+        fused_blocks(tiny("phi3"), "block")
+        fused_blocks(tiny("codegen"), "head")
 
 
 def test_blocks_cover_every_row_once_and_name_the_logical_matrices():

@@ -17,6 +17,7 @@ whose module subclasses a supported one (most ``Copied from`` variants do) is re
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -147,6 +148,16 @@ def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
     return int(heads), int(kv), int(head_dim)
 
 
+def _head_dim(module: nn.Module, config: Any, blocks: Blocks) -> int:
+    """The head size to cut ``blocks`` by: the module's own, else its query block over its own heads
+    (SAM's, ViTDet's, ... vision attention keep no ``head_dim``; the config is the text model's)."""
+    heads = (getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None)
+             or getattr(module, "groups", None))  # Florence-2's channel attention: per group
+    if getattr(module, "head_dim", None) is None and isinstance(heads, int) and "q" in blocks.names:
+        return blocks.sizes()[blocks.names.index("q")] // heads
+    return _heads(module, config)[2]
+
+
 # module class name -> rule(module, config) yielding (submodule holding the fused weight, its blocks)
 # (the submodule whose ``weight`` it is, or the tensor itself, its blocks)
 Rule = Callable[[nn.Module, Any], Iterator[tuple[nn.Module | Tensor, Blocks]]]
@@ -220,9 +231,19 @@ def _codegen_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Modu
     yield module.qkv_proj, _strided(0, groups, 3 * local, [("q", 0, local), ("v", local, local), ("k", 2 * local, local)])
 
 
-def _mpt_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
-    d = module.Wqkv.out_features // 3
-    yield module.Wqkv, _contiguous(0, [("q", d), ("k", d), ("v", d)])
+def _qkv_thirds(attribute: str) -> Rule:
+    """Output viewed as ``[..., 3, heads, head_dim]`` (or split in three equal parts): q | k | v rows
+    (MPT, ModernBERT, the Qwen2-VL family's and other ViT-style vision towers' ``qkv``)."""
+    def rule(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+        linear = getattr(module, attribute)
+        d = linear.out_features // 3
+        yield linear, _contiguous(0, [("q", d), ("k", d), ("v", d)])
+    return rule
+
+
+def _q_kv_sizes(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    """``qkv`` split as ``[q_dim, kv_dim, kv_dim]`` (Exaone 4.5's vision tower)."""
+    yield module.qkv, _contiguous(0, [("q", module.q_dim), ("k", module.kv_dim), ("v", module.kv_dim)])
 
 
 # Stacked experts whose gate and up columns alternate (``gate_up[..., ::2], gate_up[..., 1::2]``).
@@ -268,6 +289,26 @@ def _experts_gate_up(module: nn.Module, config: Any) -> Iterator[tuple[Tensor, B
         yield module.gate_up_proj, _contiguous(1, [("gate", b // 2), ("up", b // 2)])
 
 
+# attention modules whose ``qkv`` Linear is read as ``[3, heads, head_dim]`` (checked against their
+# ``forward`` by tests/test_fused.py)
+QKV_THIRDS = (
+    "modeling_qwen2_vl.VisionAttention", "Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention",
+    "Qwen3VLMoeVisionAttention", "Qwen3OmniMoeVisionAttention", "Qwen3_5VisionAttention", "Qwen3_5MoeVisionAttention",
+    "Qwen4ExpVisionAttention", "Glm4vVisionAttention", "Glm4vMoeVisionAttention", "Glm5NextVisionAttention",
+    "GlmImageVisionAttention", "GlmOcrVisionAttention", "LlavaOnevision15VisionAttention",
+    "Ernie4_5_VLMoeVisionAttention", "CohereCompassVisionAttention", "Dots3NoteVisionAttention",
+    "BlipAttention", "Blip2Attention", "InstructBlipAttention", "InstructBlipVideoAttention",
+    "SamVisionAttention", "SamHQVisionAttention", "Sam2MultiScaleAttention", "GotOcr2VisionAttention",
+    "DeepseekOcr2SamVisionAttention", "UnlimitedOcrSamVisionAttention", "PPFormulaNetVisionAttention",
+    "SLANeXtVisionAttention", "SegGptAttention", "VitDetAttention", "HieraMaskUnitAttention", "MgpstrAttention",
+    "TimesformerSelfAttention", "PPOCRV5MobileRecAttention", "PPOCRV5ServerRecAttention", "PPOCRV6SmallRecAttention",
+    "Florence2VisionWindowAttention", "Florence2VisionChannelAttention",
+)
+# attribute names that usually hold several projections in one weight: one of them under a module
+# with no rule above is warned about (orthogonalized whole), never cut by its name
+FUSED_LOOKING = ("qkv", "qkv_proj", "query_key_value", "Wqkv", "W_pack", "wqkv", "c_attn", "to_qkv", "in_proj_qkv",
+                 "gate_up_proj", "w13", "fc_gate_up")
+
 FUSED_RULES: dict[str, Rule] = {
     "GPT2Attention": _gpt2_attention,
     # copies of GPT2Attention, not subclasses
@@ -285,7 +326,12 @@ FUSED_RULES: dict[str, Rule] = {
     "BloomAttention": _interleaved_per_head("query_key_value"),
     "PersimmonAttention": _interleaved_per_head("query_key_value"),
     "FalconAttention": _falcon_attention,
-    "MptAttention": _mpt_attention,
+    "MptAttention": _qkv_thirds("Wqkv"),
+    "ModernBertAttention": _qkv_thirds("Wqkv"),
+    # ``self.qkv(x).reshape(..., 3, heads, -1)``; a bare class name that another library may reuse
+    # ("VisionAttention") is keyed by its modeling file too
+    **{name: _qkv_thirds("qkv") for name in QKV_THIRDS},
+    "Exaone4_5_VisionAttention": _q_kv_sizes,
     "CodeGenAttention": _codegen_attention,
     "DbrxAttention": _dbrx_attention,
 }
@@ -301,7 +347,10 @@ MODEL_TABLE = (
     ("Persimmon", "PersimmonAttention", "query_key_value: [q_h | k_h | v_h] per head"),
     ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
      "q | k | v (multi-query) or per head"),
-    ("MPT", "MptAttention", "Wqkv: q | k | v rows"),
+    ("MPT, ModernBERT", "MptAttention, ModernBertAttention", "Wqkv: q | k | v rows"),
+    ("vision towers: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE, Omni), GLM-4V, BLIP, BLIP-2, InstructBLIP, SAM, "
+     "SAM 2, ViTDet, Hiera, Florence-2, ... (39 modules)", "VisionAttention, Qwen2_5_VLVisionAttention, ... (QKV_THIRDS), Exaone4_5_VisionAttention",
+     "qkv: q | k | v rows (Exaone 4.5's: GQA sizes)"),
     ("CodeGen", "CodeGenAttention", "qkv_proj: per model-parallel group (4) [its q | v | k] rows"),
     ("DBRX", "DbrxAttention", "Wqkv: q | k | v rows (GQA sizes)"),
     ("GLM, GLM-4 (and GLM-4V, GLM-Image, GLM-OCR text), Dia, Phi-4-multimodal, MiniMax-M3-VL, ...",
@@ -314,8 +363,9 @@ MODEL_TABLE = (
 
 def _rule_for(module: nn.Module) -> tuple[str, Rule] | None:
     for cls in type(module).__mro__:
-        if cls.__name__ in FUSED_RULES:
-            return cls.__name__, FUSED_RULES[cls.__name__]
+        for key in (f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}", cls.__name__):
+            if key in FUSED_RULES:
+                return cls.__name__, FUSED_RULES[key]
     if experts_layout(module) is not None:
         return type(module).__name__, _experts_gate_up
     return None
@@ -362,13 +412,16 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
         config = config.get_text_config()
     names = {id(p): n for n, p in model.named_parameters()}
     found: dict[int, tuple[str, Blocks]] = {}
+    unread: list[str] = []
     for module_name, module in model.named_modules():
         matched = _rule_for(module)
+        if matched is None:
+            unread += _fused_looking(module, names)
         targets: list[tuple[nn.Module, Blocks]] = []
         if matched is not None:
             for holder, blocks in matched[1](module, config):
                 if ns_split == "head" and {"q", "k", "v"} & set(blocks.names):
-                    blocks = _per_head(blocks, _heads(module, config)[2])
+                    blocks = _per_head(blocks, _head_dim(module, config, blocks))
                 targets.append((holder, blocks))
         elif ns_split == "head":
             projections = _separate_projections(module)
@@ -383,4 +436,23 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
             _weight_axis_blocks(torch.empty(shape, device="meta"), blocks, where)
             if len(blocks.segments) > 1:
                 found[id(weight)] = (names.get(id(weight), where), blocks)
+    if unread:
+        warnings.warn(f"hf_muon: {len(unread)} weight(s) look fused by their name but their module has no known "
+                      f"layout, so each is orthogonalized whole: {', '.join(unread[:3])}"
+                      f"{', ...' if len(unread) > 3 else ''}. If the module splits its output into q, k, v (or "
+                      "gate, up), Muon is not run per matrix there; please report the module (README: fused "
+                      "projections)", stacklevel=3)
+    return found
+
+
+def _fused_looking(module: nn.Module, names: dict[int, str]) -> list[str]:
+    """``name (module class)`` of each trained 2-D weight ``module`` holds under a name in ``FUSED_LOOKING``."""
+    from ..distributed.providers import shape_of
+
+    found = []
+    for attribute in FUSED_LOOKING:
+        weight = getattr(getattr(module, attribute, None), "weight", None)
+        if (isinstance(weight, Tensor) and weight.requires_grad and len(shape_of(weight)) == 2
+                and id(weight) in names):
+            found.append(f"{names[id(weight)]} ({type(module).__name__})")
     return found
