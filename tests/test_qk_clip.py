@@ -245,8 +245,10 @@ def test_switching_the_attention_implementation_afterwards_is_an_error():
     assert opt.qk_clip.clipped_heads == 8
     model.set_attn_implementation("sdpa")
     model(input_ids=ids, labels=ids).loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="attention implementation was changed to 'sdpa'"):
         opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "refused after the update"
 
 
 def test_query_key_weights_outside_the_optimizer_are_an_error():

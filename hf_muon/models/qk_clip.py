@@ -260,7 +260,7 @@ class QKClip:
         self._configs = self._tracked_configs()
         self._maxima: list[Tensor | None] = [None] * len(self.layers)
         self._optimizer: torch.optim.Optimizer | None = None
-        self._hook = None
+        self._hook = self._pre_hook = None
         self._pending: list[FeatureScaling] | None = None  # scalings of the step being applied
         self._pending_names: dict[int, str] = {}
         self._seen_since_step = False
@@ -296,13 +296,15 @@ class QKClip:
             raise RuntimeError("QKClip is already attached to an optimizer")
         self._optimizer = optimizer
         self._hook = optimizer.register_step_post_hook(self._after_step)
+        self._pre_hook = optimizer.register_step_pre_hook(self._before_step)
         return self
 
     def detach(self) -> None:
         """Stop clipping and tracking; the model's attention implementation is restored."""
         if self._hook is not None:
             self._hook.remove()
-            self._hook = None
+            self._pre_hook.remove()
+            self._hook = self._pre_hook = None
         for config, base in self._configs:
             config._attn_implementation = base
         for layer in self.layers:
@@ -375,6 +377,10 @@ class QKClip:
                     "after QK-clip was attached, so no attention logit is tracked or clipped any more. Change it "
                     "before building the optimizer (or call clip.detach() first and attach a new QKClip)")
 
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._pending is None:  # a new step (ZeRO steps each group in turn): refuse it before it runs
+            self._check_still_tracking()
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if getattr(optimizer, "last_step_skipped", False):  # non-finite gradients: the step changes nothing
             return
@@ -389,7 +395,6 @@ class QKClip:
                 "with hf_muon.Muon). Train the query/key weights with the optimizer QKClip is attached to."
             )
         if self._pending is None:
-            self._check_still_tracking()
             self._open_step()
         reached = scale_output_features(optimizer, self._pending)
         self._pending = [s for s in self._pending if id(s.param) not in reached] or None
