@@ -2,8 +2,9 @@
 
 GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, column blocks), Phi-3 in ``qkv_proj`` (row
 blocks of GQA sizes) and its MLP's gate and up in ``gate_up_proj``, GPT-NeoX, Bloom and Persimmon
-interleave them per head, Falcon per head or per key/value group; transformers 5's stacked MoE experts
-keep each expert's gate and up in one ``gate_up_proj`` matrix. Newton–Schulz on the fused weight
+interleave them per head, Falcon per head or per key/value group, CodeGen per model-parallel group,
+MPT, ModernBERT and ViT-style vision towers (Qwen2-VL's, SAM's, ...) as ``[3, heads, head_dim]``;
+transformers 5's stacked MoE experts keep each expert's gate and up in one ``gate_up_proj`` matrix. Newton–Schulz on the fused weight
 is not Muon on q, k and v: each block of the update would follow the whole matrix's polar factor.
 :func:`fused_blocks` says, for each such weight, which rows or columns make each logical block, from
 the attention/MLP module's type and the model's config (as the module's own ``forward`` splits its
