@@ -109,36 +109,50 @@ def test_both_norms_cover_the_tensors_the_optimizer_steps(optimizer_kind):
 @pytest.mark.parametrize("unscale_first", [False, True])
 def test_a_grad_scalers_loss_scale_is_taken_out(unscale_first):
     """fp16's usual loop unscales before clipping (``scaler.unscale_``): |G_big| was unscaled and the
-    micro-batch norms not, so the noise scale read inf and the multiplier sat at its lower bound."""
+    micro-batch norms not, so the noise scale read inf and the multiplier sat at its lower bound.
+    Without ``unscale_`` both norms were scaled: one step's ratio held, but the EMAs mixed steps at
+    different scales (an overflow halves it): 262.6 where an unscaled loop measures 447.0. An fp32
+    model, so loss scaling by powers of 2 is exact: every step must measure what the plain loop does."""
     from hf_muon import Muon
 
     gas, mb = 2, 2
     torch.manual_seed(1)
-    batches = [{"input_ids": (ids := torch.randint(0, 64, (mb, 16))), "labels": ids} for _ in range(gas)]
+    steps = [[{"input_ids": (ids := torch.randint(0, 64, (mb, 16))), "labels": ids} for _ in range(gas)]
+             for _ in range(4)]
 
-    def norms(scaler, pass_scaler=True):
+    def measure(scaler, pass_scaler=True):
         model = tiny_llama()
-        optimizer = Muon(model, lr=0.0)
-        noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas,
-                                   grad_scaler=scaler if pass_scaler else None).attach()
-        for b in batches:
-            loss = model(**b).loss / gas
-            (scaler.scale(loss) if scaler else loss).backward()
-        if scaler is None:
-            optimizer.step()
-        else:
-            if unscale_first:
-                scaler.unscale_(optimizer)
-            scaler.step(optimizer)
-        return noise.last_norms
+        optimizer = Muon(model, lr=1e-2)
+        noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas, ema=0.5,
+                                   warmup_steps=0, grad_scaler=scaler if pass_scaler else None).attach()
+        seen = []
+        for i, batches in enumerate(steps):
+            for b in batches:
+                loss = model(**b).loss / gas
+                (scaler.scale(loss) if scaler else loss).backward()
+            if i == 2:  # an overflow: the step is skipped and the scaler halves its scale
+                next(model.parameters()).grad[0, 0] = float("inf")
+            if scaler is None:
+                optimizer.step()
+            else:
+                if unscale_first:
+                    scaler.unscale_(optimizer)
+                scaler.step(optimizer)
+                scaler.update()
+            optimizer.zero_grad()
+            seen.append((noise.last_norms, noise.noise_scale))
+        return seen, scaler.get_scale() if scaler else None
 
-    plain = norms(None)
-    scaled = norms(torch.amp.GradScaler("cpu", init_scale=1024.0))
-    factor = 1.0 if unscale_first else 1024.0**2  # without unscale_ both norms are scaled: the ratio holds
-    assert scaled == pytest.approx((plain[0] * factor, plain[1] * factor), rel=1e-4)
+    plain, _ = measure(None)
+    scaled, final_scale = measure(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert final_scale == 512.0  # the scale changed between measured steps
+    assert math.isfinite(plain[-1][1]) and plain[-1][1] > 0
+    for (norms, noise_scale), (want_norms, want_noise_scale) in zip(scaled, plain):
+        assert norms == pytest.approx(want_norms, rel=1e-4)
+        assert noise_scale == pytest.approx(want_noise_scale, rel=1e-4)
     if unscale_first:
         with pytest.raises(RuntimeError, match="pass grad_scaler=scaler"):
-            norms(torch.amp.GradScaler("cpu", init_scale=1024.0), pass_scaler=False)
+            measure(torch.amp.GradScaler("cpu", init_scale=1024.0), pass_scaler=False)
 
 
 def test_hooks_under_the_trainer_undo_its_loss_scaling_exactly(tmp_path):

@@ -27,10 +27,10 @@ per group, and the lr must be set before the first one).
 
 Gradient scaling undone: the hooks see ``dL_i/dθ / GAS`` for micro-batch ``i`` (Trainer: loss / GAS,
 or token sum / global token count x W with equal tokens per micro-batch; DeepSpeed's
-``engine.backward``: loss / GAS), so they multiply by ``GAS``. A common factor on both norms (fp16
-loss scaling seen by both) cancels in ``B_noise``; where ``scaler.unscale_`` ran before ``step()``
-(clipping) only ``|G_big|`` is unscaled, and the ``grad_scaler`` given takes the scale out of
-``|G_small|``.
+``engine.backward``: loss / GAS), so they multiply by ``GAS``. A ``torch.amp.GradScaler``'s loss
+scale is taken out of both norms before they enter the EMAs (where steps at different scales would
+not cancel): the scale ``GradScaler.step`` hands the optimizer, or, where ``scaler.unscale_`` ran
+before ``step()`` (clipping) and only ``|G_big|`` is unscaled, the ``grad_scaler`` given.
 
 Supported: one process with GAS >= 2, DDP (any GAS), DeepSpeed ZeRO-1/2 in fp32/bf16. Refused with a
 message: FSDP2 (its sharded parameters' hooks see the reduce-scattered gradient, not a rank's
@@ -119,7 +119,8 @@ class GradientNoiseScale:
         process_group: the data-parallel group (``None``: the default world).
         grad_scaler: the ``torch.amp.GradScaler`` of an fp16 loop that calls ``scaler.unscale_`` before
             ``step()`` (to clip): its scale is taken out of the micro-batch norms. Without it such a
-            step raises; a loop that does not unscale first needs none (the scale cancels).
+            step raises; a loop that does not unscale first needs none (``GradScaler.step`` hands the
+            optimizer its scale, which is taken out of both norms).
 
     Attributes:
         steps: optimizer steps seen. measured_steps: steps that entered the estimate.
@@ -167,7 +168,7 @@ class GradientNoiseScale:
         self.max_grad_norm = max_grad_norm or None
         self.adapt_lr = adapt_lr
         self.grad_scaler = grad_scaler
-        self._small_scale_sq = 1.0  # the loss scale squared, where a GradScaler unscaled |G_big| alone
+        self._scale_sq = (1.0, 1.0)  # the loss scale squared in |G_small|^2 and |G_big|^2 (GradScaler)
         self.process_group = process_group
         # smoothed estimates; the weight makes the EMA unbiased (Adam-style bias correction)
         self.steps = 0
@@ -289,7 +290,13 @@ class GradientNoiseScale:
                     "GradientNoiseScale: a GradScaler unscaled the gradients before step() (scaler.unscale_, e.g. "
                     "to clip them), but the micro-batch gradients were measured loss-scaled: pass "
                     "grad_scaler=scaler so their scale is taken out")
-            self._small_scale_sq = float(self.grad_scaler.get_scale()) ** 2
+            self._scale_sq = (float(self.grad_scaler.get_scale()) ** 2, 1.0)
+        elif hasattr(optimizer, "found_inf"):
+            # GradScaler.step hands the optimizer scaled gradients and the scale: both norms carry it. It
+            # would cancel in one step's ratio, but not in the EMAs of steps at different scales (the
+            # scale halves at each overflow and doubles after growth_interval steps)
+            scale_sq = float(optimizer.grad_scale) ** 2
+            self._scale_sq = (scale_sq, scale_sq)
 
         if not hasattr(self, "_model_tensor_ids"):
             self._model_tensor_ids = {id(p) for p in self.model.parameters()}
@@ -343,7 +350,8 @@ class GradientNoiseScale:
             dist.all_reduce(sums, group=self.process_group)
         # the one host sync per step
         small_total, sharded_total, micro_total, replicated_total = torch.cat([sums, replicated.view(1).to(device)]).double().tolist()
-        big_sq = sharded_total + replicated_total
+        (small_scale_sq, big_scale_sq), self._scale_sq = self._scale_sq, (1.0, 1.0)
+        big_sq = (sharded_total + replicated_total) / big_scale_sq
         self._small_sq_sum, self._micro_batches = None, 0
         self._big_sharded, self._big_replicated, self._groups_seen = [], [], set()
         self.steps += 1
@@ -358,7 +366,7 @@ class GradientNoiseScale:
                     "checkpointing, which runs several backward passes per micro-batch: use use_reentrant=False).")
             return
         small_sq = small_total * self.accumulation_steps**2 / expected  # undo the 1/GAS, mean over micro-batches
-        small_sq, self._small_scale_sq = small_sq / self._small_scale_sq, 1.0
+        small_sq /= small_scale_sq
         if not (math.isfinite(small_sq) and math.isfinite(big_sq)):
             self.skipped_steps += 1
             return
