@@ -220,6 +220,34 @@ def test_unknown_fused_looking_weights_are_warned_about():
         fused_blocks(tiny("codegen"), "head")
 
 
+@pytest.mark.parametrize("saved_split,built_split", [("block", "none"), ("none", "block"), ("block", "head")])
+def test_a_loaded_state_cuts_as_its_saved_ns_split(saved_split, built_split):
+    """load_state_dict put the saved ns_split in the group (and in later state_dicts) while the blocks
+    stayed the constructor's: a GPT-2 saved with "block" and loaded into "none" trained as "none"."""
+    model = tiny("gpt2")
+    name = "transformer.h.0.attn.c_attn.weight"
+    saved = Muon(model, lr=0.1, ns_split=saved_split).state_dict()
+    loaded = Muon(model, lr=0.1, ns_split=built_split)
+    loaded.load_state_dict(saved)
+    assert loaded.param_groups[0]["ns_split"] == saved_split
+    want = Muon(model, lr=0.1, ns_split=saved_split).fused_blocks()
+    assert loaded.fused_blocks() == want and (name in want) == (saved_split != "none")
+    updates = []
+    for opt in (loaded, Muon(model, lr=0.1, ns_split=saved_split)):
+        m = copy.deepcopy(model)
+        torch.manual_seed(1)
+        grads = {n: torch.randn_like(p) for n, p in m.named_parameters()}
+        weight = model.get_parameter(name)
+        before = weight.detach().clone()
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+        updates.append(before - weight.detach())
+        with torch.no_grad():
+            weight.copy_(before)
+    torch.testing.assert_close(updates[0], updates[1])
+
+
 def test_blocks_cover_every_row_once_and_name_the_logical_matrices():
     found = fused_blocks(tiny("phi3"), "block")
     names = sorted(b.names for _, b in found.values())

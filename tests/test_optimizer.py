@@ -475,6 +475,36 @@ def test_a_state_of_the_other_construction_says_so():
         Muon(model.parameters()).load_state_dict(opt.state_dict())
 
 
+def test_a_state_of_another_split_is_refused_without_parameter_names():
+    """Muon(model.parameters()) groups carry no names: a state saved with force_adamw on gate_proj
+    loaded into one with force_adamw on up_proj (equal group sizes and shapes) and gave up_proj
+    gate_proj's AdamW moments; where shapes differed it failed at the first step in a broadcast."""
+    model = nn.ModuleDict({"norm": nn.LayerNorm(8), "gate_proj": nn.Linear(8, 16), "up_proj": nn.Linear(8, 16), "down_proj": nn.Linear(16, 8)})
+
+    def trained(force_adamw: str) -> Muon:
+        opt = Muon(model.parameters(), lr=1e-2, force_adamw=force_adamw)
+        x = torch.randn(4, 8)
+        x = model["norm"](x)
+        model["down_proj"](model["gate_proj"](x) * model["up_proj"](x)).sum().backward()
+        opt.step()
+        return opt
+
+    saved = trained(r"gate_proj\.weight").state_dict()
+    assert "hf_muon_param_names" in saved["param_groups"][0]
+    with pytest.raises(ValueError, match=r"group \d \(\w+\) holds other parameters than when saved .*gate_proj"):
+        Muon(model.parameters(), force_adamw=r"up_proj\.weight").load_state_dict(saved)
+    # without the names (a state written before they were), shapes still tell another split
+    saved = trained(r"down_proj\.weight").state_dict()
+    for group in saved["param_groups"]:
+        del group["hf_muon_param_names"]
+    with pytest.raises(ValueError, match=r"group 0 \(adamw\) would put saved 'exp_avg' of shape \(16,\) on a tensor of shape \(16, 8\)"):
+        Muon(model.parameters(), force_adamw=r"gate_proj\.weight").load_state_dict(saved)
+    # the same split loads, and the group keeps no names of its own
+    opt = Muon(model.parameters(), force_adamw=r"down_proj\.weight")
+    opt.load_state_dict(trained(r"down_proj\.weight").state_dict())
+    assert all("hf_muon_param_names" not in g for g in opt.param_groups)
+
+
 def test_comm_dtype_is_checked_up_front():
     assert Muon(nn.Linear(4, 4), comm_dtype="bf16").comm_dtype == torch.bfloat16
     assert Muon(nn.Linear(4, 4), comm_dtype=torch.float16).comm_dtype == torch.float16

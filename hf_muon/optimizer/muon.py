@@ -376,6 +376,10 @@ def _check_grad(p: Tensor) -> None:
         raise ValueError("hf_muon.Muon does not support sparse gradients (e.g. nn.Embedding(sparse=True)); use dense")
 
 
+# the key under which state_dict() keeps an unnamed group's parameter names (see Muon.state_dict)
+MODEL_NAMES = "hf_muon_param_names"
+
+
 class Muon(Optimizer):
     """Muon for hidden weight matrices and AdamW for everything else, as one optimizer.
 
@@ -761,15 +765,56 @@ class Muon(Optimizer):
             if old.get("algorithm", new["algorithm"]) != new["algorithm"]:
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} was {old['algorithm']} when saved and is "
                                  f"{new['algorithm']} now: the parameter split changed (force_muon/force_adamw?)")
-            if "param_names" in old and "param_names" in new and list(old["param_names"]) != list(new["param_names"]):
-                changed = sorted(set(old["param_names"]) ^ set(new["param_names"]))[:4]
+            # Muon(model.parameters()) has no "param_names": state_dict() writes the model's names beside
+            names_then = old.get("param_names", old.get(MODEL_NAMES))
+            names_now = new.get("param_names") or self._model_names(new)
+            if names_then is not None and names_now is not None and list(names_then) != list(names_now):
+                changed = sorted(set(names_then) ^ set(names_now))[:4]
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) holds other parameters "
                                  f"than when saved (e.g. {', '.join(changed) or 'another order'}): another model or split")
+            for saved_id, p in zip(old["params"], new["params"]):
+                for key, value in state_dict.get("state", {}).get(saved_id, {}).items():
+                    if isinstance(value, Tensor) and value.ndim and tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) would put saved "
+                                         f"{key!r} of shape {tuple(value.shape)} on a tensor of shape {tuple(p.shape)}: "
+                                         "the state was saved from another model or parameter split")
         super().load_state_dict(state_dict)
+        changed_blocks = False
         for group in self.param_groups:
+            group.pop(MODEL_NAMES, None)
             # written before ns_precondition existed: those runs divided by the Frobenius norm
             group.setdefault("ns_precondition", "frobenius")
             group["ns_dtype"] = ns_dtype_name(group.get("ns_dtype"))  # saved as a torch.dtype before
+            # the saved settings apply (as torch does for lr, betas, ...), ns_split too: cut again
+            index = group["matrices_index"]
+            blocks = self._blocks_of({**group, "params": self._group_tensors[index]})
+            changed_blocks |= blocks != self._group_blocks[index]
+            self._group_blocks[index] = blocks
+        if changed_blocks:  # plans were made for the old blocks
+            self._group_exchanges.clear()
+            self._partition_exchanges.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``; groups without ``"param_names"`` (``Muon(model.parameters())``)
+        carry the model's names of their tensors where the model is known, so that
+        :meth:`load_state_dict` can refuse a state of another split."""
+        state = super().state_dict()
+        for saved, group in zip(state["param_groups"], self.param_groups):
+            if "param_names" not in saved:
+                names = self._model_names(group)
+                if names is not None:
+                    saved[MODEL_NAMES] = names
+        return state
+
+    def _model_names(self, group: dict) -> list[str] | None:
+        """The model's names of ``group``'s tensors (``None``: the model is unknown or gone, or a tensor
+        is not the model's)."""
+        model = self._source_model() if self._source_model is not None else None
+        if model is None:
+            return None
+        names = {id(p): n for n, p in model.named_parameters()}
+        found = [names.get(id(t)) for t in self._group_tensors[group["matrices_index"]]]
+        return None if None in found else found  # type: ignore[return-value]
 
     def _grads_finite(self) -> bool:
         """Refuse unsupported gradients up front, then check all are finite with one host sync."""
