@@ -454,6 +454,35 @@ def test_a_converted_zero3_checkpoint_resumes_in_one_process(tmp_path, source):
     assert max_rel_diff(load_rank0(prefix), load_rank0(source("one"))) <= TOLERANCE
 
 
+def test_convert_reads_weights_transformers_saves_in_another_form(tmp_path):
+    """transformers 5 trains Mixtral's experts stacked (``experts.gate_up_proj``, router ``gate.weight``)
+    but saves them one tensor per expert (``block_sparse_moe.experts.0.w1.weight``): converting a
+    one-process checkpoint failed with "no model.layers.0.mlp.gate.weight (a tied weight ...?)". The
+    weights are now read through the model's own loading: the result is what hf_muon writes itself."""
+    import transformers as T
+
+    from hf_muon.checkpoint.convert import convert_checkpoint
+
+    torch.manual_seed(0)
+    model = T.MixtralForCausalLM(T.MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+                                                 num_experts_per_tok=2, vocab_size=64))
+    if not any(p.ndim == 3 for p in model.parameters()):
+        pytest.skip("this transformers keeps Mixtral's experts as Linears of their own")
+    optimizer = Muon(model, lr=1e-2, ns_dtype="float32")
+    train_steps(model, optimizer, 2)
+    legacy = tmp_path / "legacy"
+    model.save_pretrained(legacy)
+    torch.save(optimizer.state_dict(), legacy / "optimizer.pt")
+    assert not any("gate_up_proj" in k for k in load_file(legacy / "model.safetensors"))  # saved per expert
+    convert_checkpoint(str(legacy), str(tmp_path / "converted"))
+    save_portable(optimizer, model, str(tmp_path / "written"))
+    expected = load_file(os.path.join(portable_dir(str(tmp_path / "written")), "tensors.safetensors"))
+    got = load_file(os.path.join(portable_dir(str(tmp_path / "converted")), "tensors.safetensors"))
+    assert expected.keys() == got.keys() and any("experts.gate_up_proj" in k for k in got)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
 def test_the_deepspeed_tag_is_latest_or_the_highest_step(tmp_path):
     # A string sort put global_step4 after global_step10: convert-checkpoint read the older optimizer
     # state without a "latest" file, and the older scheduler even with one.

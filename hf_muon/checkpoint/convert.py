@@ -78,10 +78,34 @@ def _weights(checkpoint: str) -> dict[str, Tensor]:
     raise CheckpointError(f"{checkpoint} has optimizer.pt but no model weights (model.safetensors) to go with it")
 
 
-def _tied(weights: dict[str, Tensor], name: str) -> Tensor:
-    if name in weights:
-        return weights[name]
-    raise CheckpointError(f"the checkpoint's weights have no {name} (a tied weight saved under another name?)")
+def _model_weights(checkpoint: str) -> dict[str, Tensor]:
+    """The parameters as the model's own ``named_parameters()`` names and shapes them, loaded through
+    transformers: transformers 5 saves some in another form than it trains them (stacked MoE experts
+    one tensor per expert, renamed routers) and converts them back when it loads."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, architecture, None) if architecture else None
+    if model_class is None:
+        raise CheckpointError(f"{checkpoint}: its weights are not saved under the names the optimizer state uses, and "
+                              f"its config.json names no transformers model class to load them with "
+                              f"(architectures: {getattr(config, 'architectures', None)})")
+    model = model_class.from_pretrained(checkpoint, local_files_only=True)
+    return {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _weights_by_name(checkpoint: str, weights: dict[str, Tensor], names: list[str]) -> dict[str, Tensor]:
+    """``weights`` (as saved), or the model's own where the saved names are not the optimizer's."""
+    missing = [name for name in names if name not in weights]
+    if not missing:
+        return weights
+    if os.path.isfile(os.path.join(checkpoint, "config.json")):
+        loaded = _model_weights(checkpoint)
+        if all(name in loaded for name in names):
+            return loaded
+    raise CheckpointError(f"the checkpoint's weights have no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+                          " (saved under other names, and no transformers model in config.json maps them)")
 
 
 def from_optimizer_pt(checkpoint: str):
@@ -90,8 +114,8 @@ def from_optimizer_pt(checkpoint: str):
     for group in state_dict["param_groups"]:
         for index, name in zip(group["params"], _group_names(group, "optimizer.pt")):
             by_name[name] = state_dict["state"].get(index, {})
-    weights = _weights(checkpoint)
-    return _collect(state_dict["param_groups"], lambda n: by_name[n], lambda n: _tied(weights, n), _adamw_step,
+    weights = _weights_by_name(checkpoint, _weights(checkpoint), list(by_name))
+    return _collect(state_dict["param_groups"], lambda n: by_name[n], weights.__getitem__, _adamw_step,
                     "optimizer.pt"), "one process or DDP"
 
 
@@ -107,7 +131,9 @@ def from_fsdp(checkpoint: str):
             weights = torch.load(os.path.join(tmp, "model.pt"), map_location="cpu", weights_only=False)["model"]
         else:
             weights = _weights(checkpoint)
-    return _collect(optimizer["param_groups"], lambda n: optimizer["state"].get(n, {}), lambda n: _tied(weights, n),
+    names = [name for group in optimizer["param_groups"] for name in _group_names(group, "optimizer_0")]
+    weights = _weights_by_name(checkpoint, weights, names)
+    return _collect(optimizer["param_groups"], lambda n: optimizer["state"].get(n, {}), weights.__getitem__,
                     _adamw_step, "optimizer_0"), "FSDP"
 
 
