@@ -340,7 +340,7 @@ def test_trainer_adaptive_lr_logs_resumes_and_is_off_by_default(tmp_path):
         args = TrainingArguments(output_dir=str(tmp_path / optim_args), optim="muon", optim_args=optim_args,
                                  learning_rate=1e-2, max_steps=12, logging_steps=2, per_device_train_batch_size=4,
                                  gradient_accumulation_steps=2, report_to="none", save_strategy="steps", save_steps=6,
-                                 use_cpu=True, max_grad_norm=0, seed=0)
+                                 use_cpu=True, max_grad_norm=0, seed=0, lr_scheduler_type="constant")
         trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Bytes(open(TINY, "rb").read() * 4))
         trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -348,8 +348,11 @@ def test_trainer_adaptive_lr_logs_resumes_and_is_off_by_default(tmp_path):
     full = run("adaptive_lr=true")
     noise = full.optimizer.optimizer.noise_scale_estimator
     assert noise.measured_steps == 12 and math.isfinite(noise.noise_scale)
-    last = [e for e in full.state.log_history if "loss" in e][-1]
-    assert last["muon/noise_scale"] == noise.noise_scale and last["muon/lr_multiplier"] == noise.lr_multiplier
+    logs = [e for e in full.state.log_history if "loss" in e]
+    assert logs[-1]["muon/noise_scale"] == noise.noise_scale
+    # each entry's multiplier is the one in its muon/lr (it was the next step's: 0.5 beside a rate of 1x)
+    assert [e["muon/lr"] for e in logs] == pytest.approx([1e-2 * e["muon/lr_multiplier"] for e in logs], rel=1e-9)
+    assert any(e["muon/lr_multiplier"] != 1.0 for e in logs)
     resumed = run("adaptive_lr=true", resume=str(tmp_path / "adaptive_lr=true" / "checkpoint-6"))
     again = resumed.optimizer.optimizer.noise_scale_estimator
     assert (again.steps, again.measured_steps) == (12, 12)

@@ -12,14 +12,17 @@ from hf_muon.optimizer.telemetry import TELEMETRY_KEYS
 from test_trainer import TINY, tiny_llama
 
 
-def update_rms(before: dict, model, opt, algorithm: str) -> float:
-    """RMS of what the last step changed in ``algorithm``'s parameters, weight decay taken out."""
+def update_rms(before: dict, model, opt, algorithm: str, stepped=None) -> float:
+    """RMS of what the last step changed in ``algorithm``'s parameters (those in ``stepped``, by name,
+    if given), weight decay taken out."""
     names = {id(p): n for n, p in model.named_parameters()}
     sq, n = 0.0, 0
     for g in opt.param_groups:
         if g["algorithm"] != algorithm:
             continue
         for p in g["params"]:
+            if stepped is not None and names[id(p)] not in stepped:
+                continue
             old = before[names[id(p)]]
             change = old * (1 - g["lr"] * g["weight_decay"]) - p.detach()
             sq += change.double().square().sum().item()
@@ -47,7 +50,36 @@ def test_figures_are_the_last_steps_update():
     next(model.parameters()).grad[0, 0] = float("nan")
     with pytest.warns(UserWarning, match="skipped a step"):
         opt.step()
-    assert opt.telemetry()["muon/skipped_steps"] == 1
+    figures = opt.telemetry()
+    # the skipped step changed nothing: it read as the step before
+    assert figures["muon/skipped_steps"] == 1
+    assert figures["muon/update_rms"] == figures["muon/adamw_update_rms"] == figures["muon/ns_ms"] == 0
+
+
+def test_figures_cover_the_tensors_the_step_updated():
+    """Muon(model) keeps frozen parameters in its groups: they counted in the RMS's denominator with a
+    zero update (0.00124 logged for 0.00176 with half the layers frozen), and a tensor frozen after it
+    had stepped kept adding its last AdamW update."""
+    model = tiny_llama()
+    opt = Muon(model, lr=1e-2, adamw_lr=1e-3, weight_decay=0.1)
+    ids = torch.randint(0, 256, (4, 16))
+
+    def step():
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        return opt.telemetry(), before, trained
+
+    step()  # every tensor has state now
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    figures, before, trained = step()
+    for algorithm, key in (("muon", "muon/update_rms"), ("adamw", "muon/adamw_update_rms")):
+        assert figures[key] == pytest.approx(update_rms(before, model, opt, algorithm, trained), rel=1e-3)
+        assert figures[key] > 1.2 * update_rms(before, model, opt, algorithm)  # all tensors: diluted
 
 
 def test_figures_of_a_float64_model():

@@ -59,7 +59,7 @@ def attach(trainer: Any) -> None:
     if pending is not None and pending.state is not None:
         noise.load_state_dict(pending.state)
     muon.noise_scale_estimator = noise
-    muon.add_telemetry_source(lambda: {"muon/noise_scale": noise.noise_scale, "muon/lr_multiplier": noise.lr_multiplier})
+    muon.add_telemetry_source(lambda: {"muon/noise_scale": noise.noise_scale, "muon/lr_multiplier": noise.last_lr_multiplier})
 
 
 def install(trainer: Any) -> None:

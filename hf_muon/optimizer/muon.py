@@ -845,6 +845,8 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._unscale_for_grad_scaler()
+        if len(self.param_groups) == len(self._group_tensors) and not any(map(self._held_by_backend, self.param_groups)):
+            self._telemetry.new_step()  # one call is the whole step (ZeRO calls step() per group or part)
         self.last_step_skipped = not self._grads_finite()
         if self.last_step_skipped:
             self.skipped_steps += 1
@@ -1090,7 +1092,7 @@ class Muon(Optimizer):
 
     def telemetry(self) -> dict[str, float]:
         """The last step's figures: ``muon/update_rms`` and ``muon/adamw_update_rms`` (RMS of each half's
-        update, weight decay aside), ``muon/lr`` and ``muon/adamw_lr`` (first group of each), ``muon/ns_ms``
+        update over the tensors it updated, weight decay aside; 0 after a skipped step), ``muon/lr`` and ``muon/adamw_lr`` (first group of each), ``muon/ns_ms``
         (the slowest rank's Newton–Schulz time), ``muon/exchange_bytes`` (sent + received per rank),
         ``muon/skipped_steps``, and what attached features add (e.g. ``muon/max_attention_logit``).
 
@@ -1098,9 +1100,7 @@ class Muon(Optimizer):
         each logging step). Raises if the optimizer was built with ``telemetry=False``."""
         if not self.telemetry_enabled:
             raise RuntimeError("hf_muon.Muon(telemetry=False) records nothing; build it with telemetry=True")
-        muon_numel = sum(math.prod(shape_of(t)) for g in self.param_groups if g["algorithm"] == MUON
-                         for t in self.model_tensors(g))
-        return self._telemetry.read(self, self.process_group, muon_numel)
+        return self._telemetry.read(self, self.process_group)
 
     def add_telemetry_source(self, source: Callable[[], dict[str, float]]) -> None:
         """Add ``source()``'s figures to every :meth:`telemetry` reading (called there, on every rank)."""
@@ -1128,6 +1128,7 @@ class Muon(Optimizer):
             steps.append(state["step"])
         if not params:
             return
+        self._telemetry.adamw_stepped[group["matrices_index"]] = set(map(id, params))
         beta1, beta2 = group["betas"]
         functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group["foreach"], decoupled_weight_decay=True,

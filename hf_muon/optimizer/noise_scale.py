@@ -168,6 +168,7 @@ class GradientNoiseScale:
         self.max_grad_norm = max_grad_norm or None
         self.adapt_lr = adapt_lr
         self.grad_scaler = grad_scaler
+        self._last_multiplier = 1.0
         self._scale_sq = (1.0, 1.0)  # the loss scale squared in |G_small|^2 and |G_big|^2 (GradScaler)
         self.process_group = process_group
         # smoothed estimates; the weight makes the EMA unbiased (Adam-style bias correction)
@@ -206,6 +207,11 @@ class GradientNoiseScale:
     def lr_multiplier(self) -> float:
         """The factor the next ``step()`` multiplies every group's lr by (1 when ``adapt_lr=False``)."""
         return self._multiplier if self.adapt_lr else 1.0
+
+    @property
+    def last_lr_multiplier(self) -> float:
+        """The factor the last ``step()`` multiplied the lrs by (the one in ``muon/lr``; 1 before any)."""
+        return self._last_multiplier
 
     # ------------------------------------------------------------------------------ hooks
 
@@ -298,6 +304,7 @@ class GradientNoiseScale:
             scale_sq = float(optimizer.grad_scale) ** 2
             self._scale_sq = (scale_sq, scale_sq)
 
+        self._last_multiplier = self.lr_multiplier
         if not hasattr(self, "_model_tensor_ids"):
             self._model_tensor_ids = {id(p) for p in self.model.parameters()}
         groups = optimizer.param_groups

@@ -52,13 +52,15 @@ class StepFigures:
     """One Muon group's figures from its last step, on this rank.
 
     ``norms`` and ``weights``: per Newton–Schulz batch, the norm of each ``O`` this rank orthogonalized
-    and its ``(lr * scale)^2`` (owners only, so a sum over ranks counts each tensor once);
+    and its ``(lr * scale)^2`` (owners only, so a sum over ranks counts each tensor once); ``numel``:
+    how many elements those matrices hold (the RMS's denominator: what the step updated);
     ``watches``: Newton–Schulz regions; ``exchange_bytes``: bytes this rank sent and received; ``replicated``: every rank orthogonalized
     every tensor (no exchange in a multi-rank run), so a sum over ranks counts each ``world`` times.
     """
 
     norms: list[Tensor] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
+    numel: int = 0
     watches: list[Stopwatch] = field(default_factory=list)
     exchange_bytes: int = 0
     replicated: bool = False
@@ -70,6 +72,7 @@ class StepFigures:
         # n results to bf16 (2^-9 relative) is lost, where asking for float32 output costs 3x the time
         self.norms.append(torch.linalg.vector_norm(ortho.reshape(ortho.shape[0], -1), dim=1))
         self.weights += weights
+        self.numel += ortho.numel()
 
     def update_sq(self) -> Tensor | None:
         """Sum of squares of ``lr * scale * O`` over what this rank orthogonalized."""
@@ -79,13 +82,13 @@ class StepFigures:
         return (norms.square() * torch.tensor(self.weights, dtype=torch.float32, device=norms.device)).sum()
 
 
-def adamw_update_sq(optimizer: Any, group: dict, lr: float) -> tuple[Tensor | None, int]:
-    """Sum of squares of the update AdamW's last step made to ``group``'s tensors at learning rate ``lr``
-    (without weight decay), recomputed from its state, and how many elements that covers."""
+def adamw_update_sq(optimizer: Any, group: dict, lr: float, tensors: list[Tensor]) -> tuple[Tensor | None, int]:
+    """Sum of squares of the update AdamW's last step made to ``tensors`` of ``group`` at learning rate
+    ``lr`` (without weight decay), recomputed from its state, and how many elements that covers."""
     from ..distributed.sharding import local
 
     exp_avgs, exp_avg_sqs, steps = [], [], []
-    for p in optimizer.stepped_tensors(group):
+    for p in tensors:
         state = optimizer.state.get(p, {})
         if "exp_avg" in state:  # an FSDP2 shard's own elements: the sum over ranks is taken once, in read()
             exp_avgs.append(local(state["exp_avg"]))
@@ -121,6 +124,16 @@ class Telemetry:
         self.lrs: dict[int, float] = {}
         # callables returning extra figures (QK-clip's largest logit, the adaptive lr's noise scale)
         self.sources: list[Callable[[], dict[str, float]]] = []
+        # per AdamW group, the tensors its last step updated (frozen or unused ones have state but
+        # take no part in that step's figures)
+        self.adamw_stepped: dict[int, set[int]] = {}
+
+    def new_step(self) -> None:
+        """Forget the last step's figures: a step that updates nothing reads as zeros, a group that
+        stopped stepping does not keep its old figures. (Not under DeepSpeed ZeRO, which steps one
+        group, or one part of one, per ``step()``: each overwrites its own.)"""
+        self.last.clear()
+        self.adamw_stepped.clear()
 
     def begin(self, key: tuple) -> StepFigures | None:
         """Fresh figures for one group's step (``key``: the group, and the flat partition if any: ZeRO-3
@@ -130,7 +143,7 @@ class Telemetry:
         self.last[key] = StepFigures()
         return self.last[key]
 
-    def read(self, optimizer: Any, process_group: dist.ProcessGroup | None, muon_numel: int) -> dict[str, float]:
+    def read(self, optimizer: Any, process_group: dist.ProcessGroup | None) -> dict[str, float]:
         """The last step's figures, reduced over the ranks (a collective: every rank calls it)."""
         from .param_split import MUON, shape_of
 
@@ -138,29 +151,37 @@ class Telemetry:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
         world = dist.get_world_size(process_group) if distributed else 1
         muon_sq = torch.zeros((), dtype=torch.float32, device=device)
+        muon_numel = 0.0
         for figures in self.last.values():
             sq = figures.update_sq()
             if sq is not None:
                 muon_sq = muon_sq + sq.to(device) / (world if figures.replicated else 1)
+                muon_numel += figures.numel / (world if figures.replicated else 1)
         adamw_sq = torch.zeros((), dtype=torch.float32, device=device)
         adamw_numel = 0
         for group in optimizer.param_groups:
-            if group["algorithm"] == MUON or group["matrices_index"] not in self.lrs:
+            index = group["matrices_index"]
+            if group["algorithm"] == MUON or index not in self.lrs:
                 continue
-            sq, _ = adamw_update_sq(optimizer, group, self.lrs[group["matrices_index"]])
+            stepped = self.adamw_stepped.get(index, set())
+            if optimizer._held_by_backend(group):  # flat partitions: every tensor of the group steps
+                tensors, model_tensors = optimizer.stepped_tensors(group), optimizer.model_tensors(group)
+            else:
+                tensors = model_tensors = [p for p in group["params"] if id(p) in stepped]
+            sq, _ = adamw_update_sq(optimizer, group, self.lrs[index], tensors)
             if sq is not None:
                 # a plain tensor in a multi-rank run is a replica (DDP); flat partitions and DTensor shards are disjoint
                 replicas = world if distributed and not optimizer._held_by_backend(group) and not _sharded(group) else 1
                 adamw_sq = adamw_sq + sq.to(device) / replicas
-            adamw_numel += sum(math.prod(shape_of(t)) for t in optimizer.model_tensors(group))
+                adamw_numel += sum(math.prod(shape_of(t)) for t in model_tensors)
         ns_seconds = sum(w.seconds() for f in self.last.values() for w in f.watches)
         sums = torch.stack([muon_sq, adamw_sq, torch.tensor(float(sum(f.exchange_bytes for f in self.last.values())),
-                                                            device=device)])
+                                                            device=device), torch.tensor(muon_numel, device=device)])
         slowest = torch.tensor([ns_seconds], dtype=torch.float64, device=device)
         if distributed:
             dist.all_reduce(sums, group=process_group)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=process_group)
-        muon_sq, adamw_sq, exchanged = sums.tolist()
+        muon_sq, adamw_sq, exchanged, muon_numel = sums.tolist()
         lrs = {g["algorithm"]: self.lrs[g["matrices_index"]] for g in reversed(optimizer.param_groups)
                if g["matrices_index"] in self.lrs}  # the first stepped group of each half
         figures = {
