@@ -248,6 +248,21 @@ def test_a_loaded_state_cuts_as_its_saved_ns_split(saved_split, built_split):
     torch.testing.assert_close(updates[0], updates[1])
 
 
+def test_the_summary_counts_the_matrices_newton_schulz_runs_on(caplog):
+    """The start-up line counted one method per tensor (Phi-3: "gram 4, standard 4" where 14 matrices
+    run) and counted frozen tensors as trained."""
+    import re
+
+    model = tiny("phi3")  # qkv_proj: 3 blocks, o_proj, gate_up_proj: 2 blocks, down_proj
+    model.model.layers[0].self_attn.o_proj.weight.requires_grad_(False)
+    with caplog.at_level("INFO", logger="hf_muon"):
+        Muon(model, lr=0.02)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Muon "))
+    assert line.startswith("Muon 3 tensors (") and ", 6 matrices), AdamW" in line
+    assert sum(int(n) for n in re.findall(r"(?:gram|standard) (\d+)", line)) == 6
+    assert line.endswith("; 1 frozen tensors (4.10K params) not trained; 2 fused tensors in 5 blocks (ns_split=block)")
+
+
 def test_blocks_cover_every_row_once_and_name_the_logical_matrices():
     found = fused_blocks(tiny("phi3"), "block")
     names = sorted(b.names for _, b in found.values())

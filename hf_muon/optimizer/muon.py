@@ -563,7 +563,8 @@ class Muon(Optimizer):
         self._telemetry = Telemetry()
         self.qk_clip = self._attach_qk_clip(source_model, qk_clip_tau) if qk_clip_tau is not None else None
         if logger.isEnabledFor(logging.INFO):
-            line = describe_optimizer(self.param_groups, resolve_ns_dtype)
+            line = describe_optimizer(self.param_groups, resolve_ns_dtype,
+                                      lambda group: self._group_blocks[group["matrices_index"]])
             fused = self.fused_blocks()
             if fused:  # the fused projections cut into blocks (hf-muon inspect lists them)
                 splits = sorted({g["ns_split"] for g in self.param_groups if g["algorithm"] == MUON})

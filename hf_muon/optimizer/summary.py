@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 
 from ..kernels.newton_schulz import resolve_method
@@ -27,13 +27,20 @@ def _rates(values: list[float]) -> str:
     return ", ".join(f"{v:g}" for v in distinct) if distinct else "-"
 
 
-def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any) -> str:
-    """``Muon 14 tensors (0.05M params), AdamW 7 tensors (0.02M); Newton–Schulz 5 quintic steps
-    (frobenius) in bfloat16 (standard 10, gram 4); lr 0.01 (Muon, match_rms_adamw), 0.001 (AdamW)``.
+def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any,
+                       blocks_of: Callable[[dict], list[Any]] | None = None) -> str:
+    """``Muon 14 tensors (0.05M params, 18 matrices), AdamW 7 tensors (0.02M); Newton–Schulz 5
+    quintic steps (frobenius) in bfloat16 (standard 14, gram 4); lr 0.01 (Muon, match_rms_adamw),
+    0.001 (AdamW); 2 frozen tensors (0.01M params) not trained``.
 
-    ``resolve_dtype(ns_dtype, device)`` is the optimizer's dtype policy (``muon.resolve_ns_dtype``).
+    ``resolve_dtype(ns_dtype, device)`` is the optimizer's dtype policy (``muon.resolve_ns_dtype``);
+    ``blocks_of(group)`` gives each of a Muon group's tensors its fused blocks (``None``: whole), so
+    the matrices and methods counted are the ones Newton–Schulz runs on (each block of each expert).
     """
+    from ..models.fused import block_shapes
+
     counts = {MUON: [0, 0], "adamw": [0, 0]}
+    frozen = [0, 0]
     lrs: dict[str, list[float]] = {MUON: [], "adamw": []}
     methods: Counter[str] = Counter()
     ns: set[tuple] = set()
@@ -41,21 +48,29 @@ def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any) -
     for group in param_groups:
         algorithm = MUON if group["algorithm"] == MUON else "adamw"
         lrs[algorithm].append(float(group["lr"]))
-        for p in group["params"]:
+        cuts = blocks_of(group) if blocks_of is not None and algorithm == MUON else [None] * len(group["params"])
+        for p, cut in zip(group["params"], cuts):
             shape = shape_of(p)
+            if not p.requires_grad:
+                frozen[0] += 1
+                frozen[1] += math.prod(shape)
+                continue
             counts[algorithm][0] += 1
             counts[algorithm][1] += math.prod(shape)
             if algorithm != MUON:
                 continue
             dtype = resolve_dtype(group["ns_dtype"], p.device if p.device.type != "meta" else None)
-            rows = shape[-2] if group.get("stacked") else shape[0]
-            cols = shape[-1] if group.get("stacked") else math.prod(shape[1:])
+            stack = math.prod(shape[:-2]) if group.get("stacked") else 1
+            whole = (shape[-2], shape[-1]) if group.get("stacked") else (shape[0], math.prod(shape[1:]))
             precondition = group.get("ns_precondition", "frobenius")
-            methods[resolve_method(rows, cols, group["ns_steps"], dtype, precondition=precondition)] += 1
+            for rows, cols in block_shapes(whole, cut) or [whole]:
+                methods[resolve_method(rows, cols, group["ns_steps"], dtype, precondition=precondition)] += stack
             ns.add((group["ns_steps"], group["ns_coefficients"], precondition, str(dtype).replace("torch.", "")))
             adjust.add(group["adjust_lr"])
     (m_tensors, m_params), (a_tensors, a_params) = counts[MUON], counts["adamw"]
-    parts = [f"Muon {m_tensors} tensors ({_human(m_params)} params), "
+    matrices = sum(methods.values())
+    parts = [f"Muon {m_tensors} tensors ({_human(m_params)} params"
+             f"{f', {matrices} matrices' if matrices != m_tensors else ''}), "
              f"AdamW {a_tensors} tensors ({_human(a_params)} params)"]
     if ns:
         setups = "; ".join(f"{steps} {coefficients} steps ({precondition}) in {dtype}"
@@ -63,5 +78,7 @@ def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any) -
         how = ", ".join(f"{method} {count}" for method, count in sorted(methods.items()))
         parts.append(f"Newton–Schulz {setups} ({how})")
     parts.append(f"lr {_rates(lrs[MUON])} (Muon, {'/'.join(sorted(adjust)) or '-'}), {_rates(lrs['adamw'])} (AdamW)")
+    if frozen[0]:
+        parts.append(f"{frozen[0]} frozen tensors ({_human(frozen[1])} params) not trained")
     return "; ".join(parts)
 
