@@ -465,14 +465,40 @@ def test_groups_added_later_follow_adamw_lr_and_the_naming():
         unnamed.add_param_group({"params": [nn.Parameter(torch.randn(4))], "param_names": ["s"]})
 
 
-def test_a_state_of_the_other_construction_says_so():
-    # the message blamed force_muon/force_adamw: the groups only came in another order
+def test_a_state_of_the_other_construction_loads_by_names():
+    """Muon(model) puts the Muon group first, Muon(model.parameters()) keeps the parameters' order: their
+    states did not cross over. Both name their tensors now, so each loads into the other; a state
+    without names still says why it cannot."""
+    import copy
+
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 8))
-    opt = Muon(model)
-    model[2](model[1](model[0](torch.tensor([1, 2])))).sum().backward()
-    opt.step()
-    with pytest.raises(ValueError, match=r"same param groups in another order \(\['muon', 'adamw'\] when saved"):
-        Muon(model.parameters()).load_state_dict(opt.state_dict())
+    ids = torch.tensor([1, 2])
+
+    def step(opt):
+        model[2](model[1](model[0](ids))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for build, other in ((Muon, lambda m: Muon(m.parameters())), (lambda m: Muon(m.parameters()), Muon)):
+        opt = build(model)
+        step(opt)
+        saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+        step(opt)
+        expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model.load_state_dict(weights)
+        loaded = other(model)
+        loaded.load_state_dict(saved)
+        assert [g["algorithm"] for g in loaded.param_groups] != [g["algorithm"] for g in saved["param_groups"]]
+        step(loaded)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), expected[n], rtol=0, atol=0)
+        assert all("hf_muon_param_names" not in g for g in loaded.param_groups)
+        assert all(("param_names" in g) == (build is not Muon and other is Muon) for g in loaded.param_groups)
+    for group in saved["param_groups"]:
+        group.pop("hf_muon_param_names", None)
+        group.pop("param_names", None)
+    with pytest.raises(ValueError, match=r"same param groups in another order \(\['adamw', 'muon'\] when saved"):
+        Muon(model).load_state_dict(saved)
 
 
 def test_a_state_of_another_split_is_refused_without_parameter_names():

@@ -758,6 +758,11 @@ class Muon(Optimizer):
 
         was, now = kinds(saved), kinds(self.param_groups)
         if was != now and sorted(was, key=str) == sorted(now, key=str):
+            reordered = self._in_this_order(saved)
+            if reordered is not None:  # both sides name their tensors: Muon(model) and Muon(model.parameters())
+                state_dict = {**state_dict, "param_groups": reordered}
+                saved, was = reordered, kinds(reordered)
+        if was != now and sorted(was, key=str) == sorted(now, key=str):
             raise ValueError("hf_muon.Muon.load_state_dict: the state holds the same param groups in another order "
                              f"({[k[0] for k in was]} when saved, {[k[0] for k in now]} now): Muon(model) puts the "
                              "Muon group first, Muon(model.parameters()) keeps the parameters' order. Build the "
@@ -779,10 +784,13 @@ class Muon(Optimizer):
                         raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) would put saved "
                                          f"{key!r} of shape {tuple(value.shape)} on a tensor of shape {tuple(p.shape)}: "
                                          "the state was saved from another model or parameter split")
+        named = [("param_names" in g) for g in self.param_groups]
         super().load_state_dict(state_dict)
         changed_blocks = False
-        for group in self.param_groups:
+        for group, had_names in zip(self.param_groups, named):
             group.pop(MODEL_NAMES, None)
+            if not had_names:  # torch copies a saved group's names in: this optimizer's groups keep none
+                group.pop("param_names", None)
             # written before ns_precondition existed: those runs divided by the Frobenius norm
             group.setdefault("ns_precondition", "frobenius")
             group["ns_dtype"] = ns_dtype_name(group.get("ns_dtype"))  # saved as a torch.dtype before
@@ -806,6 +814,25 @@ class Muon(Optimizer):
                 if names is not None:
                     saved[MODEL_NAMES] = names
         return state
+
+    def _in_this_order(self, saved: list[dict]) -> list[dict] | None:
+        """``saved`` groups put in this optimizer's group order, matched by their tensors' names (each
+        group's tensors in this group's order too); ``None`` where names are missing or do not match."""
+        ours = [g.get("param_names") or self._model_names(g) for g in self.param_groups]
+        theirs = [g.get("param_names") or g.get(MODEL_NAMES) for g in saved]
+        if any(names is None for names in ours + theirs):
+            return None
+        by_names = {frozenset(names): (group, names) for group, names in zip(saved, theirs)}
+        reordered = []
+        for names in ours:
+            if frozenset(names) not in by_names:
+                return None
+            group, saved_names = by_names[frozenset(names)]
+            position = {name: i for i, name in enumerate(saved_names)}
+            order = [position[name] for name in names]
+            reordered.append({**group, "params": [group["params"][i] for i in order],
+                              **{key: [group[key][i] for i in order] for key in ("param_names", MODEL_NAMES) if key in group}})
+        return reordered
 
     def _model_names(self, group: dict) -> list[str] | None:
         """The model's names of ``group``'s tensors (``None``: the model is unknown or gone, or a tensor
