@@ -488,6 +488,8 @@ def test_a_state_of_the_other_construction_loads_by_names():
         model.load_state_dict(weights)
         loaded = other(model)
         loaded.load_state_dict(saved)
+        for g in loaded.param_groups:  # torch copied the saved groups' matrices_index: each named the other's
+            assert [id(t) for t in loaded._group_tensors[g["matrices_index"]]] == [id(p) for p in g["params"]]
         assert [g["algorithm"] for g in loaded.param_groups] != [g["algorithm"] for g in saved["param_groups"]]
         step(loaded)
         for n, p in model.named_parameters():
@@ -529,6 +531,16 @@ def test_a_state_of_another_split_is_refused_without_parameter_names():
     opt = Muon(model.parameters(), force_adamw=r"down_proj\.weight")
     opt.load_state_dict(trained(r"down_proj\.weight").state_dict())
     assert all("hf_muon_param_names" not in g for g in opt.param_groups)
+
+
+def test_a_state_from_before_ns_split_loads_as_whole_matrices():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    saved = Muon(model).state_dict()
+    for group in saved["param_groups"]:
+        del group["ns_split"]
+    opt = Muon(model)
+    opt.load_state_dict(saved)
+    assert {g["ns_split"] for g in opt.param_groups} == {"none"}
 
 
 def test_comm_dtype_is_checked_up_front():

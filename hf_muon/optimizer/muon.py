@@ -785,17 +785,21 @@ class Muon(Optimizer):
                                          f"{key!r} of shape {tuple(value.shape)} on a tensor of shape {tuple(p.shape)}: "
                                          "the state was saved from another model or parameter split")
         named = [("param_names" in g) for g in self.param_groups]
+        indices = [g["matrices_index"] for g in self.param_groups]
         super().load_state_dict(state_dict)
         changed_blocks = False
-        for group, had_names in zip(self.param_groups, named):
+        for group, had_names, index in zip(self.param_groups, named, indices):
+            # torch copies every saved key in: the index of this optimizer's own tensors stays (a state of
+            # the other construction comes in another group order), and groups without names keep none
+            group["matrices_index"] = index
             group.pop(MODEL_NAMES, None)
-            if not had_names:  # torch copies a saved group's names in: this optimizer's groups keep none
+            if not had_names:
                 group.pop("param_names", None)
+            group.setdefault("ns_split", "none")  # written before ns_split existed: whole matrices
             # written before ns_precondition existed: those runs divided by the Frobenius norm
             group.setdefault("ns_precondition", "frobenius")
             group["ns_dtype"] = ns_dtype_name(group.get("ns_dtype"))  # saved as a torch.dtype before
             # the saved settings apply (as torch does for lr, betas, ...), ns_split too: cut again
-            index = group["matrices_index"]
             blocks = self._blocks_of({**group, "params": self._group_tensors[index]})
             changed_blocks |= blocks != self._group_blocks[index]
             self._group_blocks[index] = blocks
@@ -820,7 +824,8 @@ class Muon(Optimizer):
         group's tensors in this group's order too); ``None`` where names are missing or do not match."""
         ours = [g.get("param_names") or self._model_names(g) for g in self.param_groups]
         theirs = [g.get("param_names") or g.get(MODEL_NAMES) for g in saved]
-        if any(names is None for names in ours + theirs):
+        if any(names is None or len(names) != len(g["params"])  # a backend's flat partitions: keep the order
+               for names, g in zip(ours + theirs, self.param_groups + saved)):
             return None
         by_names = {frozenset(names): (group, names) for group, names in zip(saved, theirs)}
         reordered = []
