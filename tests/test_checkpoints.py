@@ -481,6 +481,12 @@ def test_convert_reads_weights_transformers_saves_in_another_form(tmp_path):
     got = load_file(os.path.join(portable_dir(str(tmp_path / "converted")), "tensors.safetensors"))
     assert expected.keys() == got.keys() and any("experts.gate_up_proj" in k for k in got)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+    # a weight missing from the files: transformers would initialize it at random, so it is refused
+    weights = load_file(legacy / "model.safetensors")
+    del weights["model.layers.0.self_attn.o_proj.weight"]
+    save_file(weights, legacy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"incomplete \(model.layers.0.self_attn.o_proj.weight missing"):
+        convert_checkpoint(str(legacy), str(tmp_path / "again"))
 
 
 def test_the_deepspeed_tag_is_latest_or_the_highest_step(tmp_path):

@@ -91,7 +91,12 @@ def _model_weights(checkpoint: str) -> dict[str, Tensor]:
         raise CheckpointError(f"{checkpoint}: its weights are not saved under the names the optimizer state uses, and "
                               f"its config.json names no transformers model class to load them with "
                               f"(architectures: {getattr(config, 'architectures', None)})")
-    model = model_class.from_pretrained(checkpoint, local_files_only=True)
+    model, info = model_class.from_pretrained(checkpoint, local_files_only=True, output_loading_info=True)
+    # a weight missing from the files would be initialized at random: refuse rather than write it
+    missing = list(info.get("missing_keys", ())) + [str(k) for k in info.get("mismatched_keys", ())]
+    if missing:
+        raise CheckpointError(f"{checkpoint}: the model's weights are incomplete ({', '.join(missing[:3])}"
+                              f"{' ...' if len(missing) > 3 else ''} missing or of another shape)")
     return {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
 
 
