@@ -55,7 +55,7 @@ def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | N
                   ns_split: str = "block") -> str:
     """The split of the model at ``path`` (a model folder or a config.json) as a text table, and the
     blocks fused projections are orthogonalized in (``ns_split``)."""
-    from .models.fused import fused_blocks
+    from .models.fused import fused_blocks, unknown_fused_looking, unknown_layout_warning
     from .optimizer.param_split import optimizer_state_bytes, split_parameters
 
     for flag, pattern in (("--force_muon", force_muon), ("--force_adamw", force_adamw)):
@@ -90,6 +90,9 @@ def inspect_model(path: str, force_muon: str | None = None, force_adamw: str | N
               + (f"{len(blocks)} fused tensor{'s' if len(blocks) != 1 else ''}, each orthogonalized block by block"
                  if blocks else "none, whole matrices")]
     lines += [f"  {name:<{width}}  {describe_blocks(shape, b)}" for name, shape, b in blocks]
+    unknown = [name for key, name in unknown_fused_looking(model).items() if key in muon]
+    if unknown and ns_split != "none":
+        lines += ["", "note: " + unknown_layout_warning(unknown).removeprefix("hf_muon: ")]
     return "\n".join(lines)
 
 

@@ -160,7 +160,7 @@ def test_each_qkv_head_block_is_what_the_attention_gets(name):
     with torch.no_grad():
         run(model)
     base = dict(seen)
-    (param_name, blocks), = fused_blocks(model, "head").values()
+    (param_name, blocks), = [(n, b) for n, b in fused_blocks(model, "head").values() if "q.h0" in b.names]
     assert len(blocks.names) == 12
     for block, block_name in zip(blocks.indices(), blocks.names):
         perturbed = copy.deepcopy(model)
@@ -172,6 +172,22 @@ def test_each_qkv_head_block_is_what_the_attention_gets(name):
         for which in "qkv":
             changed = [not torch.equal(a, b) for a, b in zip(seen[which][0], base[which][0])]
             assert changed == [which == kind and h == int(head) for h in range(4)], f"{block_name}: {which} {changed}"
+
+
+def test_modernberts_wi_is_input_then_gate():
+    """``input, gate = self.Wi(x).chunk(2, dim=-1)``, output ``Wo(act(input) * gate)``: negating the
+    gate block's rows negates the MLP's output exactly; negating the other block does not."""
+    model, _ = qkv_model("modernbert", "sdpa")
+    mlp = model.layers[0].mlp
+    (name, blocks), = [(n, b) for n, b in fused_blocks(model, "block").values() if "gate" in b.names]
+    assert name.endswith("mlp.Wi.weight") and blocks.names == ("up", "gate") and blocks.sizes() == [48, 48]
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        base = mlp(x)
+        for block, block_name in zip(blocks.indices(), blocks.names):
+            flipped = copy.deepcopy(mlp)
+            flipped.Wi.weight[block] *= -1
+            assert torch.allclose(flipped(x), -base, atol=1e-6) == (block_name == "gate"), block_name
 
 
 def test_qkv_thirds_modules_view_their_qkv_as_three_parts():
@@ -210,14 +226,16 @@ def test_unknown_fused_looking_weights_are_warned_about():
             self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
 
     model = torch.nn.Sequential(MyAttention(), torch.nn.Linear(16, 16))
-    with pytest.warns(UserWarning, match=r"1 weight\(s\) look fused .* 0\.qkv\.weight \(MyAttention\)"):
+    with pytest.warns(UserWarning, match=r"1 Muon weight\(s\) look fused .* 0\.qkv\.weight \(MyAttention\)"):
         Muon(model, lr=0.02)
-    model[0].qkv.requires_grad_(False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        Muon(model, lr=0.02, force_adamw=r"qkv")  # not Muon's: nothing to warn about
+        Muon(model, lr=0.02, ns_split="none")  # whole matrices asked for
+        model[0].qkv.requires_grad_(False)
         Muon(model, lr=0.02)
-        fused_blocks(tiny("phi3"), "block")
-        fused_blocks(tiny("codegen"), "head")
+        Muon(tiny("phi3"), lr=0.02)
+        Muon(tiny("codegen"), lr=0.02, ns_split="head")
 
 
 @pytest.mark.parametrize("saved_split,built_split", [("block", "none"), ("none", "block"), ("block", "head")])

@@ -18,7 +18,6 @@ whose module subclasses a supported one (most ``Copied from`` variants do) is re
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -193,9 +192,13 @@ def _phi3_mlp(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Block
     yield module.gate_up_proj, _contiguous(0, [("gate", ff), ("up", ff)])
 
 
-def _up_gate_mlp(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
-    ff = module.gate_up_proj.out_features // 2  # ``up_states, gate = ....chunk(2, dim=-1)``
-    yield module.gate_up_proj, _contiguous(0, [("up", ff), ("gate", ff)])
+def _up_gate(attribute: str) -> Rule:
+    """``up, gate = ....chunk(2, dim=-1)`` (Phi-4-multimodal's audio MLP, ModernBERT's ``Wi``)."""
+    def rule(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+        linear = getattr(module, attribute)
+        ff = linear.out_features // 2
+        yield linear, _contiguous(0, [("up", ff), ("gate", ff)])
+    return rule
 
 
 def _dbrx_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
@@ -321,7 +324,8 @@ FUSED_RULES: dict[str, Rule] = {
     # Phi3MLP's copies (``gate, up = gate_up_proj(x).chunk(2, dim=-1)``), one with up first
     **{name: _phi3_mlp for name in ("GlmMLP", "Glm4MLP", "Glm4vTextMLP", "GlmImageTextMLP", "GlmOcrTextMLP", "DiaMLP",
                                     "Dots3NoteAudioMLP", "EsmFold2SwiGLU", "MiniMaxM3VLDenseMLP", "Phi4MultimodalMLP")},
-    "Phi4MultimodalAudioMLP": _up_gate_mlp,
+    "Phi4MultimodalAudioMLP": _up_gate("gate_up_proj"),
+    "ModernBertMLP": _up_gate("Wi"),  # ``input, gate = self.Wi(x).chunk(2, dim=-1)``
     "GPTNeoXAttention": _interleaved_per_head("query_key_value"),
     "GPTNeoXJapaneseAttention": _interleaved_per_head("query_key_value"),
     "BloomAttention": _interleaved_per_head("query_key_value"),
@@ -348,7 +352,8 @@ MODEL_TABLE = (
     ("Persimmon", "PersimmonAttention", "query_key_value: [q_h | k_h | v_h] per head"),
     ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
      "q | k | v (multi-query) or per head"),
-    ("MPT, ModernBERT", "MptAttention, ModernBertAttention", "Wqkv: q | k | v rows"),
+    ("MPT, ModernBERT", "MptAttention, ModernBertAttention, ModernBertMLP",
+     "Wqkv: q | k | v rows; ModernBERT's Wi: input | gate"),
     ("vision towers: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE, Omni), GLM-4V, BLIP, BLIP-2, InstructBLIP, SAM, "
      "SAM 2, ViTDet, Hiera, Florence-2, ... (39 modules)", "VisionAttention, Qwen2_5_VLVisionAttention, ... (QKV_THIRDS), Exaone4_5_VisionAttention",
      "qkv: q | k | v rows (Exaone 4.5's: GQA sizes)"),
@@ -413,11 +418,8 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
         config = config.get_text_config()
     names = {id(p): n for n, p in model.named_parameters()}
     found: dict[int, tuple[str, Blocks]] = {}
-    unread: list[str] = []
     for module_name, module in model.named_modules():
         matched = _rule_for(module)
-        if matched is None:
-            unread += _fused_looking(module, names)
         targets: list[tuple[nn.Module, Blocks]] = []
         if matched is not None:
             for holder, blocks in matched[1](module, config):
@@ -437,23 +439,31 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
             _weight_axis_blocks(torch.empty(shape, device="meta"), blocks, where)
             if len(blocks.segments) > 1:
                 found[id(weight)] = (names.get(id(weight), where), blocks)
-    if unread:
-        warnings.warn(f"hf_muon: {len(unread)} weight(s) look fused by their name but their module has no known "
-                      f"layout, so each is orthogonalized whole: {', '.join(unread[:3])}"
-                      f"{', ...' if len(unread) > 3 else ''}. If the module splits its output into q, k, v (or "
-                      "gate, up), Muon is not run per matrix there; please report the module (README: fused "
-                      "projections)", stacklevel=3)
     return found
 
 
-def _fused_looking(module: nn.Module, names: dict[int, str]) -> list[str]:
-    """``name (module class)`` of each trained 2-D weight ``module`` holds under a name in ``FUSED_LOOKING``."""
+def unknown_fused_looking(model: nn.Module) -> dict[int, str]:
+    """``id(weight) -> "name (module class)"`` of each trained 2-D weight held under a name in
+    ``FUSED_LOOKING`` by a module hf_muon has no layout for: orthogonalized whole, though it may
+    hold several matrices (see :func:`unknown_layout_warning`)."""
     from ..distributed.providers import shape_of
 
-    found = []
-    for attribute in FUSED_LOOKING:
-        weight = getattr(getattr(module, attribute, None), "weight", None)
-        if (isinstance(weight, Tensor) and weight.requires_grad and len(shape_of(weight)) == 2
-                and id(weight) in names):
-            found.append(f"{names[id(weight)]} ({type(module).__name__})")
+    names = {id(p): n for n, p in model.named_parameters()}
+    found = {}
+    for module in model.modules():
+        if _rule_for(module) is not None:
+            continue
+        for attribute in FUSED_LOOKING:
+            weight = getattr(getattr(module, attribute, None), "weight", None)
+            if (isinstance(weight, Tensor) and weight.requires_grad and len(shape_of(weight)) == 2
+                    and id(weight) in names):
+                found[id(weight)] = f"{names[id(weight)]} ({type(module).__name__})"
     return found
+
+
+def unknown_layout_warning(found: list[str]) -> str:
+    """What to tell a user about Muon weights :func:`unknown_fused_looking` found."""
+    return (f"hf_muon: {len(found)} Muon weight(s) look fused by their name but their module has no known layout, "
+            f"so each is orthogonalized whole: {', '.join(found[:3])}{', ...' if len(found) > 3 else ''}. If the "
+            "module splits its output into q, k, v (or gate, up), Muon is not run per matrix there; please "
+            "report the module (README: fused projections)")

@@ -29,7 +29,8 @@ from ..distributed.sharding import (MeasuredFlopsPerByte, all_ranks_agree, excha
                                    local, make_exchange)
 from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SETS, check_precondition,
                                      default_ns_steps, orthogonalize)
-from ..models.fused import NS_SPLITS, Blocks, block_shapes, fused_blocks
+from ..models.fused import (NS_SPLITS, Blocks, block_shapes, fused_blocks, unknown_fused_looking,
+                            unknown_layout_warning)
 from .groups import build_param_groups, module_behind, validate_group
 from .param_split import MUON, shape_of, stored_in_by_out, unwrap
 from .shards import PendingState
@@ -543,6 +544,7 @@ class Muon(Optimizer):
         self._group_in_by_out: list[list[bool]] = []
         self._model_tensors: set[int] = set()  # id of each model tensor when the tables were read
         self._in_by_out_ids: set[int] = set()
+        self._unknown_layouts: dict[int, str] = {}  # fused-looking weights of modules with no known layout
         super().__init__(groups, defaults)
         self.distributed = distributed
         self.bucket_bytes = bucket_bytes
@@ -669,6 +671,7 @@ class Muon(Optimizer):
             self._model_tensors = {id(p) for p in model.parameters()}
             self._in_by_out_ids = stored_in_by_out(model)
             self._fused = {split: {**table, **fused_blocks(model, split)} for split, table in self._fused.items()}
+            self._unknown_layouts = unknown_fused_looking(model)
         return model
 
     def _blocks_of(self, group: dict) -> list[Blocks | None]:
@@ -680,6 +683,9 @@ class Muon(Optimizer):
         if split not in self._fused:
             self._fused[split] = fused_blocks(model, split)
         table = self._fused[split]
+        unknown = [self._unknown_layouts[id(p)] for p in group["params"] if id(p) in self._unknown_layouts]
+        if unknown and split != "none":
+            warnings.warn(unknown_layout_warning(unknown), stacklevel=4)
         return [table[id(p)][1] if id(p) in table else None for p in group["params"]]
 
     def _in_by_out_of(self, group: dict) -> list[bool]:
