@@ -107,13 +107,15 @@ def test_both_norms_cover_the_tensors_the_optimizer_steps(optimizer_kind):
 
 
 @pytest.mark.filterwarnings("ignore:hf_muon.Muon skipped a step")  # the overflow the test makes
-@pytest.mark.parametrize("unscale_first", [False, True])
-def test_a_grad_scalers_loss_scale_is_taken_out(unscale_first):
+@pytest.mark.parametrize("optimizer_kind,unscale_first", [("hf_muon", False), ("hf_muon", True), ("adamw", False)])
+def test_a_grad_scalers_loss_scale_is_taken_out(optimizer_kind, unscale_first):
     """fp16's usual loop unscales before clipping (``scaler.unscale_``): |G_big| was unscaled and the
     micro-batch norms not, so the noise scale read inf and the multiplier sat at its lower bound.
     Without ``unscale_`` both norms were scaled: one step's ratio held, but the EMAs mixed steps at
-    different scales (an overflow halves it): 262.6 where an unscaled loop measures 447.0. An fp32
-    model, so loss scaling by powers of 2 is exact: every step must measure what the plain loop does."""
+    different scales (an overflow halves it): 262.6 where an unscaled loop measures 447.0. With
+    torch.optim.AdamW (which GradScaler.step unscales for) the micro-batch norms stayed scaled: inf. An
+    fp32 model, so loss scaling by powers of 2 is exact: every step must measure what the plain loop
+    does. (AdamW would step on the overflow's inf: there the scale grows at every step instead.)"""
     from hf_muon import Muon
 
     gas, mb = 2, 2
@@ -123,7 +125,7 @@ def test_a_grad_scalers_loss_scale_is_taken_out(unscale_first):
 
     def measure(scaler, pass_scaler=True):
         model = tiny_llama()
-        optimizer = Muon(model, lr=1e-2)
+        optimizer = Muon(model, lr=1e-2) if optimizer_kind == "hf_muon" else torch.optim.AdamW(model.parameters())
         noise = GradientNoiseScale(model, optimizer, micro_batch_size=mb, accumulation_steps=gas, ema=0.5,
                                    warmup_steps=0, grad_scaler=scaler if pass_scaler else None).attach()
         seen = []
@@ -131,7 +133,7 @@ def test_a_grad_scalers_loss_scale_is_taken_out(unscale_first):
             for b in batches:
                 loss = model(**b).loss / gas
                 (scaler.scale(loss) if scaler else loss).backward()
-            if i == 2:  # an overflow: the step is skipped and the scaler halves its scale
+            if i == 2 and optimizer_kind == "hf_muon":  # an overflow: the step is skipped and the scale halves
                 next(model.parameters()).grad[0, 0] = float("inf")
             if scaler is None:
                 optimizer.step()
@@ -145,8 +147,9 @@ def test_a_grad_scalers_loss_scale_is_taken_out(unscale_first):
         return seen, scaler.get_scale() if scaler else None
 
     plain, _ = measure(None)
-    scaled, final_scale = measure(torch.amp.GradScaler("cpu", init_scale=1024.0))
-    assert final_scale == 512.0  # the scale changed between measured steps
+    growth = {"growth_interval": 1} if optimizer_kind == "adamw" else {}
+    scaled, final_scale = measure(torch.amp.GradScaler("cpu", init_scale=1024.0, **growth))
+    assert final_scale == (512.0 if optimizer_kind == "hf_muon" else 16384.0)  # it changed between steps
     assert math.isfinite(plain[-1][1]) and plain[-1][1] > 0
     for (norms, noise_scale), (want_norms, want_noise_scale) in zip(scaled, plain):
         assert norms == pytest.approx(want_norms, rel=1e-4)

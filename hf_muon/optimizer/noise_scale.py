@@ -117,10 +117,12 @@ class GradientNoiseScale:
             default is 1.0), else no clipping; 0: no clipping.
         adapt_lr: ``False`` measures only (the multiplier is computed but not applied).
         process_group: the data-parallel group (``None``: the default world).
-        grad_scaler: the ``torch.amp.GradScaler`` of an fp16 loop that calls ``scaler.unscale_`` before
-            ``step()`` (to clip): its scale is taken out of the micro-batch norms. Without it such a
-            step raises; a loop that does not unscale first needs none (``GradScaler.step`` hands the
-            optimizer its scale, which is taken out of both norms).
+        grad_scaler: the ``torch.amp.GradScaler`` of an fp16 loop: its scale is taken out of the
+            micro-batch norms where the optimizer gets unscaled gradients. With :class:`hf_muon.Muon`
+            it is needed only where ``scaler.unscale_`` runs before ``step()`` (to clip; without it
+            such a step raises), since ``GradScaler.step`` otherwise hands Muon its scale, which is
+            taken out of both norms. Any other optimizer gets unscaled gradients from
+            ``GradScaler.step`` and cannot tell: pass it whenever a GradScaler is used.
 
     Attributes:
         steps: optimizer steps seen. measured_steps: steps that entered the estimate.
@@ -297,6 +299,10 @@ class GradientNoiseScale:
                     "to clip them), but the micro-batch gradients were measured loss-scaled: pass "
                     "grad_scaler=scaler so their scale is taken out")
             self._scale_sq = (float(self.grad_scaler.get_scale()) ** 2, 1.0)
+        elif not hasattr(optimizer, "found_inf") and self._unscaled_by_grad_scaler(optimizer):
+            # an optimizer that does not take the scale itself (torch.optim.AdamW): GradScaler.step
+            # unscales its gradients first, with or without scaler.unscale_
+            self._scale_sq = (float(self.grad_scaler.get_scale()) ** 2, 1.0)
         elif hasattr(optimizer, "found_inf"):
             # GradScaler.step hands the optimizer scaled gradients and the scale: both norms carry it. It
             # would cancel in one step's ratio, but not in the EMAs of steps at different scales (the
@@ -328,6 +334,19 @@ class GradientNoiseScale:
         for grads, into in ((sharded, self._big_sharded), (replicated, self._big_replicated)):
             if grads:
                 into.append(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum())
+
+    def _unscaled_by_grad_scaler(self, optimizer: Optimizer) -> bool:
+        """Whether ``grad_scaler`` unscaled ``optimizer``'s gradients in the step being taken."""
+        if self.grad_scaler is None:
+            return False
+        from torch.amp.grad_scaler import OptState
+
+        # GradScaler keeps each optimizer's stage (READY, UNSCALED, STEPPED) in this dict
+        states = getattr(self.grad_scaler, "_per_optimizer_states", None)
+        if not isinstance(states, dict):
+            raise RuntimeError(f"GradientNoiseScale: this torch's GradScaler ({torch.__version__}) keeps no "
+                               "_per_optimizer_states, so whether it unscaled the gradients cannot be read")
+        return id(optimizer) in states and states[id(optimizer)].get("stage") is OptState.UNSCALED
 
     def _is_whole_copy(self, group: dict, p: Tensor) -> bool:
         is_flat = getattr(self.optimizer, "_is_backend_flat", None)
