@@ -91,7 +91,10 @@ def _model_weights(checkpoint: str) -> dict[str, Tensor]:
         raise CheckpointError(f"{checkpoint}: its weights are not saved under the names the optimizer state uses, and "
                               f"its config.json names no transformers model class to load them with "
                               f"(architectures: {getattr(config, 'architectures', None)})")
-    model, info = model_class.from_pretrained(checkpoint, local_files_only=True, output_loading_info=True)
+    try:
+        model, info = model_class.from_pretrained(checkpoint, local_files_only=True, output_loading_info=True)
+    except RuntimeError as error:  # transformers refuses a weight of another shape ("ignore_mismatched_sizes")
+        raise CheckpointError(f"{checkpoint}: its weights do not load into {architecture}: {error}") from None
     # a weight missing from the files would be initialized at random: refuse rather than write it
     missing = list(info.get("missing_keys", ())) + [str(k) for k in info.get("mismatched_keys", ())]
     if missing:

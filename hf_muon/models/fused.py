@@ -311,7 +311,7 @@ QKV_THIRDS = (
 # attribute names that usually hold several projections in one weight: one of them under a module
 # with no rule above is warned about (orthogonalized whole), never cut by its name
 FUSED_LOOKING = ("qkv", "qkv_proj", "query_key_value", "Wqkv", "W_pack", "wqkv", "c_attn", "to_qkv", "in_proj_qkv",
-                 "gate_up_proj", "w13", "fc_gate_up")
+                 "gate_up_proj", "w13", "fc_gate_up", "Wi")
 
 FUSED_RULES: dict[str, Rule] = {
     "GPT2Attention": _gpt2_attention,
@@ -326,6 +326,7 @@ FUSED_RULES: dict[str, Rule] = {
                                     "Dots3NoteAudioMLP", "EsmFold2SwiGLU", "MiniMaxM3VLDenseMLP", "Phi4MultimodalMLP")},
     "Phi4MultimodalAudioMLP": _up_gate("gate_up_proj"),
     "ModernBertMLP": _up_gate("Wi"),  # ``input, gate = self.Wi(x).chunk(2, dim=-1)``
+    "ModernBertDecoderMLP": _up_gate("Wi"),  # a copy of it
     "GPTNeoXAttention": _interleaved_per_head("query_key_value"),
     "GPTNeoXJapaneseAttention": _interleaved_per_head("query_key_value"),
     "BloomAttention": _interleaved_per_head("query_key_value"),
@@ -352,7 +353,7 @@ MODEL_TABLE = (
     ("Persimmon", "PersimmonAttention", "query_key_value: [q_h | k_h | v_h] per head"),
     ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
      "q | k | v (multi-query) or per head"),
-    ("MPT, ModernBERT", "MptAttention, ModernBertAttention, ModernBertMLP",
+    ("MPT, ModernBERT (and its decoder)", "MptAttention, ModernBertAttention, ModernBertMLP, ModernBertDecoderMLP",
      "Wqkv: q | k | v rows; ModernBERT's Wi: input | gate"),
     ("vision towers: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and MoE, Omni), GLM-4V, BLIP, BLIP-2, InstructBLIP, SAM, "
      "SAM 2, ViTDet, Hiera, Florence-2, ... (39 modules)", "VisionAttention, Qwen2_5_VLVisionAttention, ... (QKV_THIRDS), Exaone4_5_VisionAttention",

@@ -377,8 +377,15 @@ def _check_grad(p: Tensor) -> None:
         raise ValueError("hf_muon.Muon does not support sparse gradients (e.g. nn.Embedding(sparse=True)); use dense")
 
 
-# the key under which state_dict() keeps an unnamed group's parameter names (see Muon.state_dict)
+# the key under which state_dict() keeps each group's tensors' names in the model (see Muon.state_dict)
 MODEL_NAMES = "hf_muon_param_names"
+
+
+def _same_names(then: list[str], now: list[str]) -> bool:
+    """The same tensors by name, one list maybe under a prefix the other lacks (a state saved through
+    a wrapper, ``module.`` or ``_orig_mod.``, or from the optimizer of a submodule)."""
+    return len(then) == len(now) and all(a == b or a.endswith("." + b) or b.endswith("." + a)
+                                         for a, b in zip(then, now))
 
 
 class Muon(Optimizer):
@@ -674,8 +681,9 @@ class Muon(Optimizer):
             self._unknown_layouts = unknown_fused_looking(model)
         return model
 
-    def _blocks_of(self, group: dict) -> list[Blocks | None]:
-        """The blocks of each of a new group's tensors (``None``: orthogonalized whole)."""
+    def _blocks_of(self, group: dict, warn: bool = True) -> list[Blocks | None]:
+        """The blocks of each of a new group's tensors (``None``: orthogonalized whole); ``warn``: name
+        fused-looking weights hf_muon has no layout for."""
         model = self._read_model(group["params"])
         if group["algorithm"] != MUON or model is None:
             return [None] * len(group["params"])
@@ -684,8 +692,8 @@ class Muon(Optimizer):
             self._fused[split] = fused_blocks(model, split)
         table = self._fused[split]
         unknown = [self._unknown_layouts[id(p)] for p in group["params"] if id(p) in self._unknown_layouts]
-        if unknown and split != "none":
-            warnings.warn(unknown_layout_warning(unknown), stacklevel=4)
+        if unknown and split != "none" and warn:
+            warnings.warn(unknown_layout_warning(unknown), stacklevel=5)  # Muon(...) -> Optimizer.__init__ -> here
         return [table[id(p)][1] if id(p) in table else None for p in group["params"]]
 
     def _in_by_out_of(self, group: dict) -> list[bool]:
@@ -764,11 +772,7 @@ class Muon(Optimizer):
 
         was, now = kinds(saved), kinds(self.param_groups)
         if was != now and sorted(was, key=str) == sorted(now, key=str):
-            reordered = self._in_this_order(saved)
-            if reordered is not None:  # both sides name their tensors: Muon(model) and Muon(model.parameters())
-                state_dict = {**state_dict, "param_groups": reordered}
-                saved, was = reordered, kinds(reordered)
-        if was != now and sorted(was, key=str) == sorted(now, key=str):
+            # not matched up by names: a learning-rate scheduler's state keeps the groups' saved order
             raise ValueError("hf_muon.Muon.load_state_dict: the state holds the same param groups in another order "
                              f"({[k[0] for k in was]} when saved, {[k[0] for k in now]} now): Muon(model) puts the "
                              "Muon group first, Muon(model.parameters()) keeps the parameters' order. Build the "
@@ -777,10 +781,13 @@ class Muon(Optimizer):
             if old.get("algorithm", new["algorithm"]) != new["algorithm"]:
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} was {old['algorithm']} when saved and is "
                                  f"{new['algorithm']} now: the parameter split changed (force_muon/force_adamw?)")
-            # Muon(model.parameters()) has no "param_names": state_dict() writes the model's names beside
-            names_then = old.get("param_names", old.get(MODEL_NAMES))
-            names_now = new.get("param_names") or self._model_names(new)
-            if names_then is not None and names_now is not None and list(names_then) != list(names_now):
+            # Muon(model.parameters()) has no "param_names": state_dict() writes the model's own names
+            # beside every group; names given by the user are compared with names given by the user
+            if "param_names" in old and "param_names" in new:
+                names_then, names_now = old["param_names"], new["param_names"]
+            else:
+                names_then, names_now = old.get(MODEL_NAMES), self._model_names(new)
+            if names_then is not None and names_now is not None and not _same_names(names_then, names_now):
                 changed = sorted(set(names_then) ^ set(names_now))[:4]
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) holds other parameters "
                                  f"than when saved (e.g. {', '.join(changed) or 'another order'}): another model or split")
@@ -806,7 +813,7 @@ class Muon(Optimizer):
             group.setdefault("ns_precondition", "frobenius")
             group["ns_dtype"] = ns_dtype_name(group.get("ns_dtype"))  # saved as a torch.dtype before
             # the saved settings apply (as torch does for lr, betas, ...), ns_split too: cut again
-            blocks = self._blocks_of({**group, "params": self._group_tensors[index]})
+            blocks = self._blocks_of({**group, "params": self._group_tensors[index]}, warn=False)
             changed_blocks |= blocks != self._group_blocks[index]
             self._group_blocks[index] = blocks
         if changed_blocks:  # plans were made for the old blocks
@@ -814,40 +821,20 @@ class Muon(Optimizer):
             self._partition_exchanges.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict``; groups without ``"param_names"`` (``Muon(model.parameters())``)
-        carry the model's names of their tensors where the model is known, so that
-        :meth:`load_state_dict` can refuse a state of another split."""
+        """``torch.optim.Optimizer.state_dict``; each group carries the model's names of its tensors where
+        the model is known (``hf_muon_param_names``; ``Muon(model.parameters())`` has no
+        ``"param_names"``), so that :meth:`load_state_dict` can refuse a state of another split."""
         state = super().state_dict()
         for saved, group in zip(state["param_groups"], self.param_groups):
-            if "param_names" not in saved:
-                names = self._model_names(group)
-                if names is not None:
-                    saved[MODEL_NAMES] = names
+            names = self._model_names(group)
+            if names is not None:
+                saved[MODEL_NAMES] = names
         return state
-
-    def _in_this_order(self, saved: list[dict]) -> list[dict] | None:
-        """``saved`` groups put in this optimizer's group order, matched by their tensors' names (each
-        group's tensors in this group's order too); ``None`` where names are missing or do not match."""
-        ours = [g.get("param_names") or self._model_names(g) for g in self.param_groups]
-        theirs = [g.get("param_names") or g.get(MODEL_NAMES) for g in saved]
-        if any(names is None or len(names) != len(g["params"])  # a backend's flat partitions: keep the order
-               for names, g in zip(ours + theirs, self.param_groups + saved)):
-            return None
-        by_names = {frozenset(names): (group, names) for group, names in zip(saved, theirs)}
-        reordered = []
-        for names in ours:
-            if frozenset(names) not in by_names:
-                return None
-            group, saved_names = by_names[frozenset(names)]
-            position = {name: i for i, name in enumerate(saved_names)}
-            order = [position[name] for name in names]
-            reordered.append({**group, "params": [group["params"][i] for i in order],
-                              **{key: [group[key][i] for i in order] for key in ("param_names", MODEL_NAMES) if key in group}})
-        return reordered
 
     def _model_names(self, group: dict) -> list[str] | None:
         """The model's names of ``group``'s tensors (``None``: the model is unknown or gone, or a tensor
-        is not the model's)."""
+        is not the model's). Written for groups the user named too: a state of ``Muon(model)`` is then
+        checked against ``Muon(model.parameters())``, with no wrapper's prefix in either."""
         model = self._source_model() if self._source_model is not None else None
         if model is None:
             return None

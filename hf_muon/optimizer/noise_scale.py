@@ -388,8 +388,10 @@ class GradientNoiseScale:
                 warnings.warn(
                     f"GradientNoiseScale: an optimizer step had {int(micro_total)} micro-batch backward passes over "
                     f"all ranks where {expected} (world_size x accumulation_steps) were configured; such steps are "
-                    "left out of the estimate (an epoch's last, shorter accumulation, or reentrant activation "
-                    "checkpointing, which runs several backward passes per micro-batch: use use_reentrant=False).")
+                    "left out of the estimate (an epoch's last, shorter accumulation; a GradScaler that skipped "
+                    "another optimizer's step on an overflow, so that its micro-batches count in the next; or "
+                    "reentrant activation checkpointing, which runs several backward passes per micro-batch: use "
+                    "use_reentrant=False).")
             return
         small_sq = small_total * self.accumulation_steps**2 / expected  # undo the 1/GAS, mean over micro-batches
         small_sq /= small_scale_sq
