@@ -112,8 +112,9 @@ def _weights_by_name(checkpoint: str, weights: dict[str, Tensor], names: list[st
         loaded = _model_weights(checkpoint)
         if all(name in loaded for name in names):
             return loaded
-    raise CheckpointError(f"the checkpoint's weights have no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-                          " (saved under other names, and no transformers model in config.json maps them)")
+    listed = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+    raise CheckpointError(f"the checkpoint's weights have no {listed} (saved under other names, and no transformers "
+                          "model in config.json maps them)")
 
 
 def from_optimizer_pt(checkpoint: str):

@@ -802,8 +802,8 @@ class Muon(Optimizer):
         super().load_state_dict(state_dict)
         changed_blocks = False
         for group, had_names, index in zip(self.param_groups, named, indices):
-            # torch copies every saved key in: the index of this optimizer's own tensors stays (a state of
-            # the other construction comes in another group order), and groups without names keep none
+            # torch copies every saved key in: the index of this optimizer's own tensors stays, and groups
+            # without names keep none
             group["matrices_index"] = index
             group.pop(MODEL_NAMES, None)
             if not had_names:
@@ -1118,9 +1118,10 @@ class Muon(Optimizer):
 
     def telemetry(self) -> dict[str, float]:
         """The last step's figures: ``muon/update_rms`` and ``muon/adamw_update_rms`` (RMS of each half's
-        update over the tensors it updated, weight decay aside; 0 after a skipped step), ``muon/lr`` and ``muon/adamw_lr`` (first group of each), ``muon/ns_ms``
-        (the slowest rank's Newton–Schulz time), ``muon/exchange_bytes`` (sent + received per rank),
-        ``muon/skipped_steps``, and what attached features add (e.g. ``muon/max_attention_logit``).
+        update over the tensors it updated, weight decay aside; 0 after a skipped step), ``muon/lr`` and
+        ``muon/adamw_lr`` (first group of each), ``muon/ns_ms`` (the slowest rank's Newton–Schulz time),
+        ``muon/exchange_bytes`` (sent + received per rank), ``muon/skipped_steps``, and what attached
+        features add (e.g. ``muon/max_attention_logit``).
 
         In a multi-rank run this reduces over the ranks: call it on every rank (the Trainer does, at
         each logging step). Raises if the optimizer was built with ``telemetry=False``."""
