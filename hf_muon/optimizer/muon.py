@@ -777,6 +777,7 @@ class Muon(Optimizer):
                              f"({[k[0] for k in was]} when saved, {[k[0] for k in now]} now): Muon(model) puts the "
                              "Muon group first, Muon(model.parameters()) keeps the parameters' order. Build the "
                              "optimizer the way it was built when the state was saved")
+        model_names = self._model_names()
         for i, (old, new) in enumerate(zip(saved, self.param_groups)):
             if old.get("algorithm", new["algorithm"]) != new["algorithm"]:
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} was {old['algorithm']} when saved and is "
@@ -786,7 +787,7 @@ class Muon(Optimizer):
             if "param_names" in old and "param_names" in new:
                 names_then, names_now = old["param_names"], new["param_names"]
             else:
-                names_then, names_now = old.get(MODEL_NAMES), self._model_names(new)
+                names_then, names_now = old.get(MODEL_NAMES), model_names[i]
             if names_then is not None and names_now is not None and not _same_names(names_then, names_now):
                 changed = sorted(set(names_then) ^ set(names_now))[:4]
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) holds other parameters "
@@ -825,22 +826,21 @@ class Muon(Optimizer):
         the model is known (``hf_muon_param_names``; ``Muon(model.parameters())`` has no
         ``"param_names"``), so that :meth:`load_state_dict` can refuse a state of another split."""
         state = super().state_dict()
-        for saved, group in zip(state["param_groups"], self.param_groups):
-            names = self._model_names(group)
+        for saved, names in zip(state["param_groups"], self._model_names()):
             if names is not None:
                 saved[MODEL_NAMES] = names
         return state
 
-    def _model_names(self, group: dict) -> list[str] | None:
-        """The model's names of ``group``'s tensors (``None``: the model is unknown or gone, or a tensor
-        is not the model's). Written for groups the user named too: a state of ``Muon(model)`` is then
-        checked against ``Muon(model.parameters())``, with no wrapper's prefix in either."""
+    def _model_names(self) -> list[list[str] | None]:
+        """Per group, the model's names of its tensors (``None``: the model is unknown or gone, or a
+        tensor is not the model's). Written for groups the user named too: a state of ``Muon(model)``
+        is then checked against ``Muon(model.parameters())``, with no wrapper's prefix in either."""
         model = self._source_model() if self._source_model is not None else None
         if model is None:
-            return None
-        names = {id(p): n for n, p in model.named_parameters()}
-        found = [names.get(id(t)) for t in self._group_tensors[group["matrices_index"]]]
-        return None if None in found else found  # type: ignore[return-value]
+            return [None] * len(self.param_groups)
+        table = {id(p): n for n, p in model.named_parameters()}
+        found = [[table.get(id(t)) for t in self._group_tensors[g["matrices_index"]]] for g in self.param_groups]
+        return [None if None in names else names for names in found]  # type: ignore[misc]
 
     def _grads_finite(self) -> bool:
         """Refuse unsupported gradients up front, then check all are finite with one host sync."""

@@ -292,18 +292,18 @@ class GradientNoiseScale:
 
         # GradScaler.step sets grad_scale to None when scaler.unscale_ already ran (clipping): the
         # gradients here are unscaled, the micro-batch ones the hooks saw were not
-        if hasattr(optimizer, "found_inf") and getattr(optimizer, "grad_scale", None) is None:
-            if self.grad_scaler is None:
-                raise RuntimeError(
-                    "GradientNoiseScale: a GradScaler unscaled the gradients before step() (scaler.unscale_, e.g. "
-                    "to clip them), but the micro-batch gradients were measured loss-scaled: pass "
-                    "grad_scaler=scaler so their scale is taken out")
+        takes_scale = hasattr(optimizer, "found_inf")  # hf_muon.Muon: GradScaler.step hands it the scale
+        # unscaled before step(): by scaler.unscale_, or by GradScaler.step for an optimizer that does not
+        # take the scale itself (torch.optim.AdamW); the micro-batch norms still carry it
+        unscaled = getattr(optimizer, "grad_scale", None) is None if takes_scale else self._unscaled_by_grad_scaler(optimizer)
+        if takes_scale and unscaled and self.grad_scaler is None:
+            raise RuntimeError(
+                "GradientNoiseScale: a GradScaler unscaled the gradients before step() (scaler.unscale_, e.g. "
+                "to clip them), but the micro-batch gradients were measured loss-scaled: pass "
+                "grad_scaler=scaler so their scale is taken out")
+        if unscaled:
             self._scale_sq = (float(self.grad_scaler.get_scale()) ** 2, 1.0)
-        elif not hasattr(optimizer, "found_inf") and self._unscaled_by_grad_scaler(optimizer):
-            # an optimizer that does not take the scale itself (torch.optim.AdamW): GradScaler.step
-            # unscales its gradients first, with or without scaler.unscale_
-            self._scale_sq = (float(self.grad_scaler.get_scale()) ** 2, 1.0)
-        elif hasattr(optimizer, "found_inf"):
+        elif takes_scale:
             # GradScaler.step hands the optimizer scaled gradients and the scale: both norms carry it. It
             # would cancel in one step's ratio, but not in the EMAs of steps at different scales (the
             # scale halves at each overflow and doubles after growth_interval steps)

@@ -37,6 +37,7 @@ def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any,
     ``blocks_of(group)`` gives each of a Muon group's tensors its fused blocks (``None``: whole), so
     the matrices and methods counted are the ones Newton–Schulz runs on (each block of each expert).
     """
+    from ..distributed.layout import replicated, with_blocks
     from ..models.fused import block_shapes
 
     counts = {MUON: [0, 0], "adamw": [0, 0]}
@@ -60,11 +61,11 @@ def describe_optimizer(param_groups: list[dict[str, Any]], resolve_dtype: Any,
             if algorithm != MUON:
                 continue
             dtype = resolve_dtype(group["ns_dtype"], p.device if p.device.type != "meta" else None)
-            stack = math.prod(shape[:-2]) if group.get("stacked") else 1
-            whole = (shape[-2], shape[-1]) if group.get("stacked") else (shape[0], math.prod(shape[1:]))
             precondition = group.get("ns_precondition", "frobenius")
-            for rows, cols in block_shapes(whole, cut) or [whole]:
-                methods[resolve_method(rows, cols, group["ns_steps"], dtype, precondition=precondition)] += stack
+            # the matrices the owner plan costs: one, a stack's, or each of their blocks
+            layout, = with_blocks([replicated(tuple(shape), bool(group.get("stacked")), 1)], [block_shapes(shape, cut)])
+            for rows, cols in layout.ns_matrices:
+                methods[resolve_method(rows, cols, group["ns_steps"], dtype, precondition=precondition)] += 1
             ns.add((group["ns_steps"], group["ns_coefficients"], precondition, str(dtype).replace("torch.", "")))
             adjust.add(group["adjust_lr"])
     (m_tensors, m_params), (a_tensors, a_params) = counts[MUON], counts["adamw"]
