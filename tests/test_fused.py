@@ -41,6 +41,7 @@ def tiny(name: str) -> torch.nn.Module:
         "neox_japanese": lambda: T.GPTNeoXJapaneseConfig(hidden_size=D, num_attention_heads=HEADS, num_hidden_layers=1,
                                                          intermediate_multiple_size=1, **common),
         "codegen": lambda: T.CodeGenConfig(n_embd=D, n_layer=1, n_head=HEADS, rotary_dim=4, n_positions=32, **common),
+        "openai_gpt": lambda: T.OpenAIGPTConfig(n_embd=D, n_layer=1, n_head=HEADS, n_positions=32, vocab_size=100),
         "dbrx": lambda: T.DbrxConfig(d_model=D, n_heads=HEADS, n_layers=1, max_seq_len=32,
                                      attn_config={"kv_n_heads": KV, "rope_theta": 10000.0, "clip_qkv": 1e4},
                                      ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 2, "moe_top_k": 1}, **common),
@@ -62,7 +63,7 @@ def kv_heads(name: str) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bigcode_mq", "bigcode", "phi3", "neox", "bloom", "falcon_new", "falcon_mq",
-                                  "falcon", "mpt", "imagegpt", "neox_japanese", "dbrx", "codegen"])
+                                  "falcon", "mpt", "imagegpt", "neox_japanese", "dbrx", "codegen", "openai_gpt"])
 def test_each_head_block_is_what_the_models_attention_reads(name):
     """Perturb the weight's rows (columns for Conv1D) of one head block: a query head's block changes
     that head's attention only, a key head's block the query heads of its group, a value block none."""
@@ -172,6 +173,133 @@ def test_each_qkv_head_block_is_what_the_attention_gets(name):
         for which in "qkv":
             changed = [not torch.equal(a, b) for a, b in zip(seen[which][0], base[which][0])]
             assert changed == [which == kind and h == int(head) for h in range(4)], f"{block_name}: {which} {changed}"
+
+
+def module_case(name: str):
+    """One attention-like module whose fused weight no whole model here can test through its attention
+    probabilities, a function running it, and the record of what its ``forward`` reads from that
+    weight's output, each ``[batch, heads, ...]``: q, k, v (and Qwen3-Next's z, b, a)."""
+    from unittest import mock
+
+    torch.manual_seed(0)
+    seen: dict[str, torch.Tensor] = {}
+    x = torch.randn(1, 6, D)
+    rope = (torch.ones(1, 6, D // HEADS), torch.zeros(1, 6, D // HEADS))  # no rotation: heads stay apart
+    if name in ("phi4_multimodal", "ergo"):  # q, k, v as the attention implementation gets them
+        implementation, seen = capture_attention_inputs()
+        if name == "phi4_multimodal":
+            from transformers.models.phi4_multimodal.modeling_phi4_multimodal import Phi4MultimodalAttention as cls
+
+            config = T.Phi4MultimodalConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV)
+        else:
+            from transformers.models.ergo.modeling_ergo import ErgoAttention as cls
+
+            config = T.ErgoConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV, num_hidden_layers=1,
+                                  layer_types=["full_attention"], global_attention_scale=None)
+        config._attn_implementation = implementation
+        module = cls(config, layer_idx=0)
+        return module, lambda m: m(x, position_embeddings=rope, attention_mask=None), seen
+    if name == "minimax":  # q, k, v as ``torch.split`` of the per-head view hands them on
+        from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+        config = T.MiniMaxConfig(hidden_size=D, num_attention_heads=HEADS, num_hidden_layers=2, block_size=4)
+        module = MiniMaxLightningAttention(config, layer_idx=0)
+        split = torch.split
+
+        def recording_split(tensor, size, dim=0):
+            out = split(tensor, size, dim)
+            if dim == 3:
+                seen.update((k, t.transpose(1, 2).clone()) for k, t in zip("qkv", out))
+            return out
+
+        def run(m):
+            with mock.patch("torch.split", recording_split):
+                m(x, position_embeddings=rope, attention_mask=None)
+        return module, run, seen
+    if name == "qwen3_5":  # q, k, v as the delta rule gets them (keys and values of other sizes)
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+        config = T.Qwen3_5TextConfig(hidden_size=D, linear_num_key_heads=4, linear_num_value_heads=4,
+                                     linear_key_head_dim=8, linear_value_head_dim=12, num_hidden_layers=1)
+        module = modeling.Qwen3_5GatedDeltaNet(config, layer_idx=0)
+        rule = modeling.torch_chunk_gated_delta_rule
+
+        def recording_rule(query, key, value, **kwargs):
+            seen.update((k, t.transpose(1, 2).clone()) for k, t in zip("qkv", (query, key, value)))
+            return rule(query, key, value, **kwargs)
+
+        def run(m):
+            with mock.patch.object(modeling, "torch_chunk_gated_delta_rule", recording_rule):
+                m(x)
+        return module, run, seen
+    # Qwen3-Next: what ``fix_query_key_value_ordering`` reads from in_proj_qkvz and in_proj_ba
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    config = T.Qwen3NextConfig(hidden_size=D, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                               linear_value_head_dim=6, num_hidden_layers=1)
+    module = Qwen3NextGatedDeltaNet(config, layer_idx=0)
+    ordering = Qwen3NextGatedDeltaNet.fix_query_key_value_ordering
+
+    def recording_ordering(self, qkvz, ba):
+        out = ordering(self, qkvz, ba)
+        seen.update((k, t.transpose(1, 2).clone()) for k, t in zip(("q", "k", "v", "z", "b", "a"), out))
+        return out
+
+    def run(m):
+        with mock.patch.object(Qwen3NextGatedDeltaNet, "fix_query_key_value_ordering", recording_ordering):
+            m(x)
+    return module, run, seen
+
+
+@pytest.mark.parametrize("name", ["phi4_multimodal", "ergo", "minimax", "qwen3_5", "qwen3_next"])
+def test_each_block_is_what_the_module_reads(name):
+    """Perturbing block ``q.h2`` of the fused weight changes query head 2 and nothing else the module
+    reads from it; a block not cut per head (Qwen3-Next's z, b, a) changes its own part only."""
+    module, run, seen = module_case(name)
+    module.eval()
+    with torch.no_grad():
+        run(module)
+    base = dict(seen)
+    found = fused_blocks(module, "head")
+    assert found, f"{name}: no fused weight found"
+    checked = set()
+    for param_name, blocks in found.values():
+        for block, block_name in zip(blocks.indices(), blocks.names):
+            perturbed = copy.deepcopy(module)
+            w = perturbed.get_parameter(param_name)
+            with torch.no_grad():
+                w.index_add_(blocks.axis, block, torch.randn_like(w.index_select(blocks.axis, block)))
+                run(perturbed)
+            kind, _, head = block_name.partition(".h")
+            for which in base:
+                changed = [not torch.equal(a, b) for a, b in zip(seen[which][0], base[which][0])]
+                expected = [which == kind and (not head or h == int(head)) for h in range(len(changed))]
+                assert changed == expected, f"{name} {param_name} {block_name}: {which} heads changed {changed}"
+            checked.add(kind)
+    assert checked == set(base), f"{name}: blocks of {sorted(checked)} for the parts {sorted(base)}"
+
+
+def test_zamba2s_mlp_and_its_adapters_are_gate_then_up():
+    """Zamba2's shared MLP adds each layer's low-rank adapter to ``gate_up_proj``'s output and reads
+    ``gate, up = chunk(2)``: negating the up block of both weights negates the MLP's output exactly,
+    negating the gate blocks does not."""
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2MLP
+
+    torch.manual_seed(0)
+    config = T.Zamba2Config(hidden_size=32, intermediate_size=48, adapter_rank=4, num_hidden_layers=2,
+                            layers_block_type=["hybrid", "hybrid"], num_mem_blocks=1)
+    mlp = Zamba2MLP(config, num_fwd_mem_blocks=2, block_id=0)
+    found = fused_blocks(mlp, "block")
+    assert sorted(n for n, _ in found.values()) == ["gate_up_proj.weight", "gate_up_proj_adapter_list.0.1.weight",
+                                                    "gate_up_proj_adapter_list.1.1.weight"]
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        base = mlp(x, layer_idx=1)
+        for kind in ("gate", "up"):
+            flipped = copy.deepcopy(mlp)
+            for param_name, blocks in found.values():
+                flipped.get_parameter(param_name)[blocks.indices()[blocks.names.index(kind)]] *= -1
+            assert torch.allclose(flipped(x, layer_idx=1), -base, atol=1e-6) == (kind == "up"), kind
 
 
 def test_modernberts_wi_is_input_then_gate():
@@ -307,6 +435,31 @@ def test_head_split_also_cuts_separate_projections():
     assert fused_blocks(model, "block") == {}
     heads = {name.rsplit(".", 2)[-2]: len(b.names) for name, b in fused_blocks(model, "head").values()}
     assert heads == {"q_proj": HEADS, "k_proj": KV, "v_proj": KV}
+
+
+def test_head_split_reads_each_modules_own_head_size():
+    """Swin keeps a tuple of heads per stage in its config (each attention its own count); a module
+    with values of another head size (MiMo-V2-Flash's ``v_head_dim``) cuts them by it; a module with
+    no head size to read, or blocks that do not hold whole heads, is refused with what to pass."""
+    swin = T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                    window_size=2))
+    heads = sorted({len(b.names) for name, b in fused_blocks(swin, "head").values() if "q_proj" in name})
+    assert heads == [2, 4]
+
+    class MyAttention(torch.nn.Module):
+        def __init__(self, head_dim, v_head_dim=None):
+            super().__init__()
+            self.head_dim, self.v_head_dim = head_dim, v_head_dim
+            self.q_proj, self.k_proj = torch.nn.Linear(32, 32), torch.nn.Linear(32, 16)
+            self.v_proj = torch.nn.Linear(32, 4 * (v_head_dim or 4))
+
+    found = fused_blocks(torch.nn.Sequential(MyAttention(8, v_head_dim=6)), "head")
+    assert {name: b.sizes() for name, b in found.values()} == {
+        "0.q_proj.weight": [8] * 4, "0.k_proj.weight": [8] * 2, "0.v_proj.weight": [6] * 4}
+    with pytest.raises(ValueError, match="cannot read the head size of a MyAttention .*ns_split='block'"):
+        fused_blocks(torch.nn.Sequential(MyAttention(None)), "head")
+    with pytest.raises(ValueError, match="'q' of 32 rows does not hold whole heads of 12.*ns_split='block'"):
+        fused_blocks(torch.nn.Sequential(MyAttention(12)), "head")
 
 
 def polar(x: torch.Tensor) -> torch.Tensor:

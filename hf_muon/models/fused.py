@@ -108,17 +108,22 @@ def _strided(axis: int, groups: int, group_size: int, parts: list[tuple[str, int
     return Blocks(axis, segments, tuple(name for name, _, _ in parts))
 
 
-def _per_head(blocks: Blocks, head_dim: int, attention: tuple[str, ...] = ("q", "k", "v")) -> Blocks:
-    """``blocks`` with each attention block (q, k, v) cut into heads of ``head_dim``; others kept."""
+def _per_head(blocks: Blocks, head_dim: int | dict[str, int], attention: tuple[str, ...] = ("q", "k", "v")) -> Blocks:
+    """``blocks`` with each attention block (q, k, v) cut into heads of ``head_dim`` (one size, or one per
+    block name: a gated delta net's keys and values differ); other blocks kept."""
     segments, names = [], []
     for name, runs in zip(blocks.names, blocks.segments):
         if name not in attention:
             segments.append(runs)
             names.append(name)
             continue
+        size = head_dim[name] if isinstance(head_dim, dict) else head_dim
         # a head may span two runs (CodeGen's groups of queries need not hold whole heads)
         order = [i for start, length in runs for i in range(start, start + length)]
-        heads = [_runs(order[h:h + head_dim]) for h in range(0, len(order), head_dim)]
+        if size <= 0 or len(order) % size:
+            raise ValueError(f"hf_muon: block {name!r} of {len(order)} rows does not hold whole heads of {size}; "
+                             "pass ns_split='block' for this model and report it")
+        heads = [_runs(order[h:h + size]) for h in range(0, len(order), size)]
         segments.extend(heads)
         names.extend(f"{name}.h{i}" for i in range(len(heads)))
     return Blocks(blocks.axis, tuple(segments), tuple(names))
@@ -139,7 +144,8 @@ def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
     """``(heads, key/value heads, head_dim)`` of an attention module, from the module or its own config
     (a composite model's, e.g. Llava's, has no heads of its own: ``config`` is its text config then)."""
     config = getattr(module, "config", None) or config
-    heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
+    heads = (getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None)
+             or getattr(config, "num_attention_heads", None))
     head_dim = getattr(module, "head_dim", None)
     kv = (getattr(module, "num_key_value_heads", None) or getattr(module, "num_kv_heads", None)
           or getattr(config, "num_key_value_heads", None) or heads)
@@ -148,14 +154,26 @@ def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
     return int(heads), int(kv), int(head_dim)
 
 
-def _head_dim(module: nn.Module, config: Any, blocks: Blocks) -> int:
-    """The head size to cut ``blocks`` by: the module's own, else its query block over its own heads
-    (SAM's, ViTDet's, ... vision attention keep no ``head_dim``; the config is the text model's)."""
+def _head_dim(module: nn.Module, config: Any, blocks: Blocks) -> int | dict[str, int]:
+    """The head size to cut ``blocks`` by: the module's own (a gated delta net's or MiMo's: one for
+    queries and keys, one for values), else its query block over its own heads (SAM's, ViTDet's, ... vision
+    attention keep no ``head_dim``; the config is the text model's), else what its config says."""
+    head_k, head_v = getattr(module, "head_k_dim", None), getattr(module, "head_v_dim", None)
+    if isinstance(head_k, int) and isinstance(head_v, int):
+        return {"q": head_k, "k": head_k, "v": head_v}
+    if isinstance(getattr(module, "head_dim", None), int):
+        v_head = getattr(module, "v_head_dim", None)  # MiMo-V2-Flash: values of another size
+        return {"q": module.head_dim, "k": module.head_dim, "v": v_head} if isinstance(v_head, int) else module.head_dim
     heads = (getattr(module, "num_heads", None) or getattr(module, "num_attention_heads", None)
+             or getattr(module, "n_head", None)
              or getattr(module, "groups", None))  # Florence-2's channel attention: per group
-    if getattr(module, "head_dim", None) is None and isinstance(heads, int) and "q" in blocks.names:
+    if isinstance(heads, int) and "q" in blocks.names:
         return blocks.sizes()[blocks.names.index("q")] // heads
-    return _heads(module, config)[2]
+    try:  # the config's (Swin-like configs keep a tuple of heads per stage: not one module's)
+        return _heads(module, config)[2]
+    except (AttributeError, TypeError, ValueError, RuntimeError, ZeroDivisionError) as error:
+        raise ValueError(f"hf_muon: ns_split='head' cannot read the head size of a {type(module).__name__} "
+                         f"({error}); pass ns_split='block' for this model") from error
 
 
 # module class name -> rule(module, config) yielding (submodule holding the fused weight, its blocks)
@@ -250,6 +268,39 @@ def _q_kv_sizes(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blo
     yield module.qkv, _contiguous(0, [("q", module.q_dim), ("k", module.kv_dim), ("v", module.kv_dim)])
 
 
+def _openai_gpt_attention(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    """openai-gpt: ``c_attn`` (Conv1D) output split in ``split_size`` columns: q | k | v."""
+    d = module.split_size
+    yield module.c_attn, _contiguous(1, [("q", d), ("k", d), ("v", d)])
+
+
+def _zamba2_mlp(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    """Zamba2's shared MLP: ``gate_up_proj`` and each layer's low-rank adapter added to its output
+    (``Sequential(down to the rank, up to 2 * ff)``), both read as ``chunk(2)``: gate | up."""
+    yield from _phi3_mlp(module, config)
+    for adapter in module.gate_up_proj_adapter_list:
+        if isinstance(adapter, nn.Sequential):
+            ff = adapter[-1].out_features // 2
+            yield adapter[-1], _contiguous(0, [("gate", ff), ("up", ff)])
+
+
+def _gated_delta_net_qkv(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    """Qwen3.5's gated delta net: ``in_proj_qkv`` split as ``[key_dim, key_dim, value_dim]`` after a
+    depthwise convolution (each channel on its own, so the rows stay q | k | v)."""
+    yield module.in_proj_qkv, _contiguous(0, [("q", module.key_dim), ("k", module.key_dim), ("v", module.value_dim)])
+
+
+def _qwen3_next_delta_net(module: nn.Module, config: Any) -> Iterator[tuple[nn.Module, Blocks]]:
+    """Qwen3-Next's gated delta net (``fix_query_key_value_ordering``): ``in_proj_qkvz`` viewed as
+    ``[key heads, q | k | the group's v | its z]``, ``in_proj_ba`` as ``[key heads, b | a]``."""
+    hk, per_group = module.head_k_dim, module.num_v_heads // module.num_k_heads
+    v = per_group * module.head_v_dim
+    yield module.in_proj_qkvz, _strided(0, module.num_k_heads, 2 * hk + 2 * v,
+                                        [("q", 0, hk), ("k", hk, hk), ("v", 2 * hk, v), ("z", 2 * hk + v, v)])
+    yield module.in_proj_ba, _strided(0, module.num_k_heads, 2 * per_group,
+                                      [("b", 0, per_group), ("a", per_group, per_group)])
+
+
 # Stacked experts whose gate and up columns alternate (``gate_up[..., ::2], gate_up[..., 1::2]``).
 INTERLEAVED_GATE_UP = ("GptOssExperts",)
 
@@ -311,7 +362,9 @@ QKV_THIRDS = (
 # attribute names that usually hold several projections in one weight: one of them under a module
 # with no rule above is warned about (orthogonalized whole), never cut by its name
 FUSED_LOOKING = ("qkv", "qkv_proj", "query_key_value", "Wqkv", "W_pack", "wqkv", "c_attn", "to_qkv", "in_proj_qkv",
-                 "gate_up_proj", "w13", "fc_gate_up", "Wi")
+                 "in_proj_qkvz", "in_proj_ba", "gate_up_proj", "w13", "fc_gate_up", "Wi")
+# gated delta nets whose ``in_proj_qkv`` is split as ``[key_dim, key_dim, value_dim]``
+GATED_DELTA_NETS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet", "LaraMiniGatedDeltaNet")
 
 FUSED_RULES: dict[str, Rule] = {
     "GPT2Attention": _gpt2_attention,
@@ -320,6 +373,10 @@ FUSED_RULES: dict[str, Rule] = {
     "ImageGPTAttention": _gpt2_attention,
     "GPTBigCodeAttention": _gpt_bigcode_attention,
     "Phi3Attention": _phi3_attention,
+    # its copies: ``qkv_proj`` rows q | k | v at GQA sizes (Ergo views them per head, in that order)
+    "Phi4MultimodalAttention": _phi3_attention,
+    "ErgoAttention": _phi3_attention,
+    "modeling_openai.Attention": _openai_gpt_attention,
     "Phi3MLP": _phi3_mlp,
     # Phi3MLP's copies (``gate, up = gate_up_proj(x).chunk(2, dim=-1)``), one with up first
     **{name: _phi3_mlp for name in ("GlmMLP", "Glm4MLP", "Glm4vTextMLP", "GlmImageTextMLP", "GlmOcrTextMLP", "DiaMLP",
@@ -331,6 +388,10 @@ FUSED_RULES: dict[str, Rule] = {
     "GPTNeoXJapaneseAttention": _interleaved_per_head("query_key_value"),
     "BloomAttention": _interleaved_per_head("query_key_value"),
     "PersimmonAttention": _interleaved_per_head("query_key_value"),
+    "MiniMaxLightningAttention": _interleaved_per_head("qkv_proj"),
+    "Zamba2MLP": _zamba2_mlp,
+    **{name: _gated_delta_net_qkv for name in GATED_DELTA_NETS},
+    "Qwen3NextGatedDeltaNet": _qwen3_next_delta_net,
     "FalconAttention": _falcon_attention,
     "MptAttention": _qkv_thirds("Wqkv"),
     "ModernBertAttention": _qkv_thirds("Wqkv"),
@@ -346,11 +407,18 @@ MODEL_TABLE = (
     ("GPT-2, DistilGPT-2, DecisionTransformer, ImageGPT", "GPT2Attention, DecisionTransformerGPT2Attention, "
      "ImageGPTAttention", "c_attn (Conv1D): q | k | v column blocks; cross-attention: k | v"),
     ("GPT-BigCode (StarCoder 1)", "GPTBigCodeAttention", "c_attn: q | k | v rows (multi-query: d | hd | hd), else per head"),
-    ("Phi-3, Phi-3.5, Phi-4", "Phi3Attention, Phi3MLP", "qkv_proj: q | k | v rows (GQA sizes); gate_up_proj: gate | up"),
+    ("Phi-3, Phi-3.5, Phi-4, Phi-4-multimodal, Ergo", "Phi3Attention, Phi3MLP, Phi4MultimodalAttention, ErgoAttention",
+     "qkv_proj: q | k | v rows (GQA sizes); gate_up_proj: gate | up"),
+    ("GPT (openai-gpt)", "Attention (modeling_openai)", "c_attn (Conv1D): q | k | v column blocks"),
     ("GPT-NeoX, Pythia, GPT-NeoX-Japanese", "GPTNeoXAttention, GPTNeoXJapaneseAttention",
      "query_key_value: [q_h | k_h | v_h] per head"),
     ("Bloom", "BloomAttention", "query_key_value: [q_h | k_h | v_h] per head"),
     ("Persimmon", "PersimmonAttention", "query_key_value: [q_h | k_h | v_h] per head"),
+    ("MiniMax (lightning attention)", "MiniMaxLightningAttention", "qkv_proj: [q_h | k_h | v_h] per head"),
+    ("Qwen3.5 (and MoE), Qwen3-Next, LaraMini: gated delta nets", "Qwen3_5GatedDeltaNet, ... (GATED_DELTA_NETS), "
+     "Qwen3NextGatedDeltaNet", "in_proj_qkv: q | k | v rows (key, key, value sizes); Qwen3-Next's in_proj_qkvz: per key "
+     "head [q | k | its v | its z], in_proj_ba: per key head [b | a]"),
+    ("Zamba2", "Zamba2MLP", "gate_up_proj and each layer's adapter output: gate | up"),
     ("Falcon", "FalconAttention", "query_key_value: per kv group [its queries | k | v] (new architecture), "
      "q | k | v (multi-query) or per head"),
     ("MPT, ModernBERT (and its decoder)", "MptAttention, ModernBertAttention, ModernBertMLP, ModernBertDecoderMLP",
@@ -430,7 +498,7 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
         elif ns_split == "head":
             projections = _separate_projections(module)
             if projections:
-                hd = _heads(module, config)[2]
+                hd = _head_dim(module, config, _contiguous(0, [("q", projections[0][1].out_features)]))
                 for name, linear in projections:
                     targets.append((linear, _per_head(_contiguous(0, [(name, linear.out_features)]), hd)))
         for holder, blocks in targets:
