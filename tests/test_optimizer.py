@@ -285,6 +285,45 @@ def test_bare_tensors_warn_that_embeddings_cannot_be_identified():
     assert sorted(g["algorithm"] for g in opt.param_groups) == ["adamw", "muon"]
 
 
+def test_a_pinned_muon_group_reads_stacked_experts_from_the_model():
+    """A group pinned to 'muon' without 'stacked' holding a MoE's stacked experts orthogonalizes each
+    expert on its own, as Muon(model) does (not the stack as one matrix); experts and a convolution in
+    one such group are refused; 3-D tensors without their model are read as convolutions, with a
+    warning that names 'stacked'."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(T.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=3, vocab_size=50))
+    experts = [p for p in model.parameters() if p.ndim == 3]
+    rest = [p for p in model.parameters() if p.ndim != 3]
+    assert len(experts) == 2
+    reference = copy.deepcopy(model)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        a.grad = torch.randn_like(a)
+        b.grad = a.grad.clone()
+    Muon(reference, lr=0.1, weight_decay=0.0).step()
+    model_before = [e.detach().clone() for e in experts]
+    pinned = Muon([{"params": experts, "algorithm": "muon"}, {"params": rest}], model=model, lr=0.1, weight_decay=0.0)
+    assert pinned.param_groups[0]["stacked"] is True
+    pinned.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert not torch.equal(experts[0], model_before[0])
+
+    conv = nn.Conv1d(4, 4, 3)
+    both = nn.ModuleDict({"model": model, "conv": conv})
+    with pytest.raises(ValueError, match="stacked MoE experts and other tensors .* a group of their own"):
+        Muon([{"params": experts + [conv.weight], "algorithm": "muon"}], model=both)
+    with pytest.warns(UserWarning, match=r"pinned to 'muon' holds tensors of 3 or more dimensions without their model "
+                                         r"\(\(3, 96, 32\)"):
+        Muon([{"params": experts[:1], "algorithm": "muon"}])
+    with pytest.warns(UserWarning, match=r"without their model.*\(3, 96, 32\).*'stacked': True"):
+        Muon([nn.Parameter(torch.zeros(3, 96, 32))])
+    assert Muon([{"params": experts[:1], "algorithm": "muon", "stacked": True}]).param_groups[0]["stacked"] is True
+
+
 def test_ns_dtype_policy(monkeypatch):
     from hf_muon.optimizer import muon
 

@@ -118,26 +118,34 @@ def _per_head(blocks: Blocks, head_dim: int | dict[str, int], attention: tuple[s
             names.append(name)
             continue
         size = head_dim[name] if isinstance(head_dim, dict) else head_dim
-        # a head may span two runs (CodeGen's groups of queries need not hold whole heads)
-        order = [i for start, length in runs for i in range(start, start + length)]
-        if size <= 0 or len(order) % size:
-            raise ValueError(f"hf_muon: block {name!r} of {len(order)} rows does not hold whole heads of {size}; "
+        total = sum(length for _, length in runs)
+        if size <= 0 or total % size:
+            raise ValueError(f"hf_muon: block {name!r} of {total} rows does not hold whole heads of {size}; "
                              "pass ns_split='block' for this model and report it")
-        heads = [_runs(order[h:h + size]) for h in range(0, len(order), size)]
+        heads = _cut_runs(runs, size)
         segments.extend(heads)
         names.extend(f"{name}.h{i}" for i in range(len(heads)))
     return Blocks(blocks.axis, tuple(segments), tuple(names))
 
 
-def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
-    """``indices`` as ``(start, length)`` runs of consecutive indices, in order."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1][1] += 1
-        else:
-            runs.append([i, 1])
-    return tuple((start, length) for start, length in runs)
+def _cut_runs(runs: tuple[tuple[int, int], ...], size: int) -> list[tuple[tuple[int, int], ...]]:
+    """``runs`` (in order) cut into consecutive pieces of ``size`` indices, each as its own runs: a
+    head may span two runs (CodeGen's groups of queries need not hold whole heads)."""
+    pieces: list[tuple[tuple[int, int], ...]] = []
+    current: list[tuple[int, int]] = []
+    need = size
+    for start, length in runs:
+        while length:
+            take = min(need, length)
+            if current and sum(current[-1]) == start:
+                current[-1] = (current[-1][0], current[-1][1] + take)
+            else:
+                current.append((start, take))
+            start, length, need = start + take, length - take, need - take
+            if need == 0:
+                pieces.append(tuple(current))
+                current, need = [], size
+    return pieces
 
 
 def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
@@ -459,8 +467,10 @@ def _weight_axis_blocks(weight: Tensor, blocks: Blocks, where: str) -> Blocks:
     """Check ``blocks`` cover ``weight``'s axis exactly (a config that disagrees with the weight is a
     model hf_muon misreads: refuse rather than orthogonalize the wrong blocks)."""
     length = weight.shape[blocks.dim(weight)] if weight.ndim in (2, 3) else -1
-    covered = sorted(i for runs in blocks.segments for start, n in runs for i in range(start, start + n))
-    if covered != list(range(length)):
+    end = 0  # the runs, sorted, must follow each other from 0 to the axis' length
+    for start, n in sorted(run for runs in blocks.segments for run in runs):
+        end = end + n if start == end and n > 0 else -1
+    if end != length:
         raise ValueError(f"hf_muon: the fused blocks read for {where} do not cover its weight of shape "
                          f"{tuple(weight.shape)} exactly; pass ns_split='none' for this model and report it")
     return blocks

@@ -109,13 +109,41 @@ def build_param_groups(
                 part["param_names"].append(names[i])
         result.extend(parts.values())
     if guessed:
+        solid = [shape_of(p) for g in result if g["algorithm"] == MUON for p in g["params"] if len(shape_of(p)) >= 3]
         warnings.warn(
             "hf_muon.Muon got tensors without their model, so every tensor of 2 or more dimensions goes to Muon, "
             "including any embedding or output head among them. Pass the model (Muon(model, ...), "
-            "Muon(model.parameters(), ...) or Muon(params, model=model)) to give those AdamW.",
+            "Muon(model.parameters(), ...) or Muon(params, model=model)) to give those AdamW."
+            + (f" Tensors of 3 or more dimensions ({', '.join(str(tuple(s)) for s in solid[:3])}) are each read as one "
+               "matrix, out x (in * the rest), as a convolution's weight; for a stack of matrices (MoE experts) "
+               "give their group 'algorithm': 'muon' and 'stacked': True." if solid else ""),
             stacklevel=3,
         )
     return result
+
+
+def read_stacked(group: dict, model: nn.Module | None) -> None:
+    """Set a Muon group's ``"stacked"``, which it did not give, from the model: whether its tensors of
+    3 or more dimensions are stacks of matrices (MoE experts ``[experts, out, in]``, each
+    orthogonalized on its own) or one matrix each (a convolution's ``[out, in, kernel...]``). Tensors
+    the model does not know are read as convolutions, with a warning saying how to say otherwise."""
+    tensors = [p for p in group["params"] if len(shape_of(p)) >= 3]
+    if not tensors:
+        return
+    table = split_parameters(model).algorithm_of() if model is not None else {}
+    kinds = {table[id(p)][1] if table.get(id(p), (None,))[0] == MUON else None for p in tensors}
+    if kinds == {True} or kinds == {False}:
+        group["stacked"] = kinds.pop()
+    elif kinds == {True, False} or (True in kinds):
+        raise ValueError("a param group pinned to 'muon' holds stacked MoE experts and other tensors of 3 or more "
+                         "dimensions: put the experts in a group of their own (it reads them as a stack)")
+    else:
+        shapes = ", ".join(str(tuple(shape_of(p))) for p in tensors[:3])
+        warnings.warn(f"hf_muon: a param group pinned to 'muon' holds tensors of 3 or more dimensions without their "
+                      f"model ({shapes}{', ...' if len(tensors) > 3 else ''}): each is read as one matrix, out x (in * "
+                      "the rest), as a convolution's weight. For a stack of matrices (MoE experts [experts, out, in]) "
+                      "give the group 'stacked': True; or pass the model", stacklevel=5)
+        group["stacked"] = False
 
 
 def validate_group(group: dict) -> None:

@@ -31,7 +31,7 @@ from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SET
                                      default_ns_steps, orthogonalize)
 from ..models.fused import (NS_SPLITS, Blocks, block_shapes, fused_blocks, unknown_fused_looking,
                             unknown_layout_warning)
-from .groups import build_param_groups, module_behind, validate_group
+from .groups import build_param_groups, module_behind, read_stacked, validate_group
 from .param_split import MUON, shape_of, stored_in_by_out, unwrap
 from .shards import PendingState
 from .summary import describe_optimizer
@@ -406,7 +406,8 @@ class Muon(Optimizer):
 
     Args:
         params: a module, ``model.parameters()``, ``model.named_parameters()``, tensors, or group
-            dicts (a group may pin ``"algorithm": "muon" | "adamw"``).
+            dicts (a group may pin ``"algorithm": "muon" | "adamw"``; ``"stacked": True`` reads its tensors
+            of 3 or more dimensions as stacks of matrices, MoE experts, where the model does not say so).
         lr: learning rate of both halves (AdamW's unless ``adamw_lr`` is set).
         weight_decay: decoupled weight decay, as in AdamW.
         momentum: Muon's momentum, in ``[0, 1)``.
@@ -636,6 +637,7 @@ class Muon(Optimizer):
             param_group = {**param_group, "params": params, "algorithm": "adamw"}
         if param_group["algorithm"] != MUON and "lr" not in param_group and getattr(self, "adamw_lr", None) is not None:
             param_group = {**param_group, "lr": self.adamw_lr}
+        stacked_given = "stacked" in param_group
         if self.param_groups and ("param_names" in self.param_groups[0]) != ("param_names" in param_group):
             named = "param_names" in self.param_groups[0]
             raise ValueError("this optimizer's groups " + ("carry parameter names (Muon(model) names them): give the "
@@ -643,6 +645,8 @@ class Muon(Optimizer):
                              if named else "have no parameter names: add the group without 'param_names'"))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if group["algorithm"] == MUON and not stacked_given:
+            read_stacked(group, self._read_model(group["params"]))
         validate_group(group)
         self._check_hyperparameters(group)
         group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])
