@@ -324,6 +324,18 @@ def test_a_pinned_muon_group_reads_stacked_experts_from_the_model():
     assert Muon([{"params": experts[:1], "algorithm": "muon", "stacked": True}]).param_groups[0]["stacked"] is True
 
 
+@pytest.mark.parametrize("shape", [(8, 0), (0, 8)])
+def test_a_matrix_with_no_rows_or_columns_steps(shape):
+    """``nn.Linear(0, 8)`` (or ``(8, 0)``) has nothing to orthogonalize: it steps like the others."""
+    model = nn.Sequential(nn.Linear(shape[1], shape[0]), nn.Linear(shape[0], 4), nn.Linear(4, 4))
+    opt = Muon(model, lr=0.1)
+    before = model[2].weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert model[0].weight.shape == shape and not torch.equal(model[2].weight, before)
+
+
 def test_ns_dtype_policy(monkeypatch):
     from hf_muon.optimizer import muon
 

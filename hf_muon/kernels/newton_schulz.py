@@ -186,14 +186,16 @@ def orthogonalize(
         raise ValueError(f"orthogonalize needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         raise ValueError(f"orthogonalize runs in bfloat16, float16, float32 or float64, got dtype={dtype}")
-    if dtype is None and not G.is_floating_point():
-        raise ValueError(f"orthogonalize needs a floating-point G (or a dtype), got {G.dtype}")
+    if not G.is_floating_point():  # scaled in G's dtype below: an integer G would be truncated to zeros
+        raise ValueError(f"orthogonalize needs a floating-point G, got {G.dtype}: cast it first")
     check_precondition(precondition)
     steps = DEFAULT_NS_STEPS[precondition] if steps is None else steps
     if not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     # AOL drops the first iteration of the usual schedule (Turbo-Muon): its start is already past
     # where that iteration leads, so Polar Express begins at its second polynomial.
+    if G.numel() == 0:  # a matrix with no rows or columns (e.g. nn.Linear(8, 0)) has nothing to orthogonalize
+        return G.to(dtype if dtype is not None else G.dtype, copy=True)
     skipped = 1 if precondition == "aol" else 0
     schedule = coefficient_schedule(coefficients, steps + skipped)[skipped:]
     # Scale each matrix by a power of two to a largest entry in [0.5, 1): exact (so results are

@@ -110,9 +110,9 @@ def lr_scale(rows: int, cols: int, rule: str) -> float:
 def as_matrices(t: Tensor, stacked: bool) -> Tensor:
     """View ``t`` as ``[n, rows, cols]``: a stack of experts keeps its leading dims as the batch,
     anything else (a matrix, a convolution kernel) is one ``out x (in * kernel)`` matrix."""
-    if stacked:
-        return t.reshape(-1, t.shape[-2], t.shape[-1])
-    return t.reshape(1, t.shape[0], -1)
+    if stacked:  # sizes spelled out (no -1): a tensor with a zero dimension has no inferable one
+        return t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1])
+    return t.reshape(1, t.shape[0], math.prod(t.shape[1:]))
 
 
 @functools.cache
@@ -604,8 +604,8 @@ class Muon(Optimizer):
     def _check_hyperparameters(h: dict) -> None:
         if not (isinstance(h["lr"], (int, float)) and 0 <= h["lr"] < math.inf):
             raise ValueError(f"lr must be a finite number >= 0, got {h['lr']!r}")
-        if not h["weight_decay"] >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {h['weight_decay']}")
+        if not 0 <= h["weight_decay"] < math.inf:
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {h['weight_decay']}")
         if not 0 <= h["momentum"] < 1:
             raise ValueError(f"momentum must be in [0, 1), got {h['momentum']}")
         if h["ns_steps"] is not None and not (isinstance(h["ns_steps"], int) and 1 <= h["ns_steps"] < 100):
@@ -622,8 +622,8 @@ class Muon(Optimizer):
         beta1, beta2 = h["betas"]
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
             raise ValueError(f"betas must each be in [0, 1), got {h['betas']}")
-        if not h["eps"] >= 0:
-            raise ValueError(f"eps must be >= 0, got {h['eps']}")
+        if not 0 <= h["eps"] < math.inf:
+            raise ValueError(f"eps must be a finite number >= 0, got {h['eps']}")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; it must say ``"algorithm"`` unless all its tensors are below 2-D (AdamW). An AdamW
