@@ -19,16 +19,9 @@ import sys
 
 def _build_model(path: str):
     """Build the model a config describes, on the meta device (no weights read, no memory used)."""
-    import transformers
+    from .planner.model import load_config, meta_model
 
-    from .planner.model import meta_model
-
-    config = transformers.AutoConfig.from_pretrained(path)
-    try:
-        return meta_model(config)
-    except Exception as error:  # noqa: BLE001 - a config the model class refuses (its own asserts)
-        raise ValueError(f"transformers cannot build a {type(config).__name__} model from {path}: "
-                         f"{type(error).__name__}: {error}") from error
+    return meta_model(load_config(path), path)
 
 
 def _human(n: float) -> str:
@@ -147,11 +140,16 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     import torch
 
     from .planner import plan_model
-    from .planner.report import plans_json, plans_text, plot_plans
+    from .planner.report import check_plot_path, plans_json, plans_text, plot_plans
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if not args.bucket_mib > 0:
-        parser.exit(2, f"hf-muon plan: --bucket_mib must be > 0, got {args.bucket_mib}\n")
+    if not 0 < args.bucket_mib < float("inf"):
+        parser.exit(2, f"hf-muon plan: --bucket_mib must be a finite number > 0, got {args.bucket_mib}\n")
+    if args.plot:  # before the planning time is spent
+        try:
+            check_plot_path(args.plot)
+        except ValueError as error:
+            parser.exit(2, f"hf-muon plan: {error}\n")
     try:
         plans = plan_model(args.model, args.layout, args.world, args.accelerator, args.interconnect,
                            ns_split=args.ns_split, peak_tflops=args.peak_tflops, link_gbs=args.link_gbs,
@@ -162,6 +160,9 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                            **({} if args.sub_group_size is None else {"sub_group_size": args.sub_group_size}))
     except ValueError as error:
         parser.exit(2, f"hf-muon plan: {error}\n")
+    except ArithmeticError as error:  # a config with a zero size, or sizes past any float
+        parser.exit(2, f"hf-muon plan: the config's sizes cannot be planned ({type(error).__name__}: {error}): "
+                       "check them\n")
     print(plans_json(plans) if args.json else plans_text(plans))
     if args.plot:
         plot_plans(plans, args.plot)

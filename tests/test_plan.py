@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from tests.conftest import hf_muon_cli
 
 from hf_muon.distributed.exchange import ExchangeStats, exchange_volume, orthogonalize_distributed
 from hf_muon.distributed.layout import group_flat_sharded
+from hf_muon.planner.model import PRESET_DIR
 from hf_muon.distributed.plan import PIPELINE_BUCKETS, assign_owners, plan_buckets
 from hf_muon.planner import plan_for_shapes, plan_tensors
 from hf_muon.planner.cost import _layouts
@@ -101,8 +103,9 @@ def test_llama_ddp_w2_by_hand():
     # DDP: no gather (every owner holds its tensor); the owner sends the fp32 result to the other rank
     assert p.exchange_sent.mean * 2 == 4 * LLAMA_MUON
     assert p.exchange_received.mean * 2 == 4 * LLAMA_MUON
-    # ring all-reduce of bf16 gradients: 2 * (W-1)/W * params * 2 bytes
-    assert p.backend_detail == {"gradient all-reduce": 2 * (1 / 2) * (LLAMA_MUON + LLAMA_ADAMW) * 2}
+    # ring all-reduce of the gradients, fp32 under DDP (autocast keeps parameters fp32):
+    # 2 * (W-1)/W * params * 4 bytes
+    assert p.backend_detail == {"gradient all-reduce": 2 * (1 / 2) * (LLAMA_MUON + LLAMA_ADAMW) * 4}
     # state: Muon one fp32 buffer, AdamW two; DDP keeps all of it on every rank
     assert p.state_bytes.max == 4 * (LLAMA_MUON + 2 * LLAMA_ADAMW) == 502_272
     assert p.adamw_state_bytes.max == 4 * 2 * (LLAMA_MUON + LLAMA_ADAMW) == 870_912
@@ -518,12 +521,52 @@ def test_cli_llama_3_8b_zero3(tmp_path):
     # accepted before: a negative latency printed a step of -0.0 ms, 500 steps a plan Muon would refuse
     (["llama-3-8b", "--layout", "ddp", "--world", "2", "--latency_us", "-5"], "--latency_us must be a number >= 0"),
     (["llama-3-8b", "--layout", "ddp", "--world", "2", "--ns_steps", "500"], "ns_steps must be an integer in [1, 100)"),
-    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--bucket_mib", "-5"], "--bucket_mib must be > 0, got -5.0"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--bucket_mib", "-5"],
+     "--bucket_mib must be a finite number > 0, got -5.0"),
+    # accepted before: nan printed a step of nan s, inf a note recommending a value Muon refuses
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--bucket_mib", "inf"], "--bucket_mib must be a finite number"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--peak_tflops", "nan"], "--peak_tflops must be a finite number"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--link_gbs", "inf"], "--link_gbs must be a finite number"),
+    (["no/such/config.json", "--layout", "ddp", "--world", "2"], "no/such/config.json: no such file or folder"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--plot", "plan.xyz"], "--plot plan.xyz: give a file name ending in"),
+    (["llama-3-8b", "--layout", "ddp", "--world", "2", "--plot", "/no/such/folder/plan.png"], "no folder /no/such/folder"),
 ])
 def test_cli_bad_inputs(args, message):
     result = _cli(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_cli_configs_it_cannot_plan_say_what_to_fix(tmp_path):
+    """Configs that are not JSON, that name a class transformers lacks or cannot build from them, or
+    that hold sizes it refuses: a message and exit status 2, not a traceback."""
+    llama = json.loads((PRESET_DIR / "llama-3-8b.json").read_text())
+    cases = {
+        "truncated.json": ('{"model_type": "llama", "hidden_size": ', "is not a config transformers can read"),
+        "class.json": (json.dumps({**llama, "architectures": ["NotAClassForCausalLM"]}),
+                       "names the class 'NotAClassForCausalLM' in 'architectures', which transformers"),
+        "mismatch.json": (json.dumps({**llama, "architectures": ["GPT2LMHeadModel"]}),
+                          "transformers cannot build a LlamaConfig model from"),
+        "heads.json": (json.dumps({**llama, "hidden_size": 64, "num_attention_heads": 5}),
+                       "heads.json is not a config transformers can read"),
+        "zero.json": (json.dumps({**llama, "hidden_size": 0}), "transformers cannot build a LlamaConfig model"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        result = _cli(str(tmp_path / name), "--layout", "ddp", "--world", "2")
+        assert result.returncode == 2 and message in result.stderr, (name, result.stderr[-2000:])
+
+
+def test_a_config_without_architectures_is_planned_with_its_lm_head(tmp_path):
+    """What training builds: the causal-LM class (``lm_head`` on AdamW), not the bare ``AutoModel``;
+    one rank exchanges nothing and says so."""
+    llama = json.loads((PRESET_DIR / "llama-3-8b.json").read_text())
+    del llama["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    bare, preset = (json.loads(_cli(model, "--layout", "ddp", "--world", "1", "--json").stdout)[0]
+                    for model in (str(tmp_path), "llama-3-8b"))
+    assert bare["adamw_params"] == preset["adamw_params"] == 2 * 128256 * 4096 + 65 * 4096
+    assert "nothing exchanged" in _cli("llama-3-8b", "--layout", "ddp", "--world", "1").stdout
 
 
 def test_cli_mixtral_fsdp2_experts_held_whole():

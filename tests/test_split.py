@@ -199,7 +199,8 @@ def test_inspect_cli_prints_the_split(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
     run = hf_muon_cli("inspect", str(tmp_path / "empty"))
-    assert run.returncode == 2 and "hf-muon inspect: Unrecognized model" in run.stderr, run.stderr
+    assert run.returncode == 2 and "is not a config transformers can read" in run.stderr, run.stderr
+    assert "Should have a `model_type` key" in run.stderr
     # a config the model class itself refuses (a pad id beyond the vocabulary: an AssertionError inside)
     transformers.Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
                             intermediate_size=96, vocab_size=256).save_pretrained(tmp_path / "refused")

@@ -190,7 +190,7 @@ def _exchanges(layout: str, tensors: ModelTensors, world: int,
 def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, link: Interconnect, *,
          ns_steps: int = DEFAULT_NS_STEPS, ns_dtype: torch.dtype = torch.bfloat16,
          comm_dtype: torch.dtype = torch.float32,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = 2, grad_bytes: int = 2,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, param_bytes: int = 2, grad_bytes: int | None = None,
          matmul_efficiency: float | None = None, plan_dtype: torch.dtype | None = None,
          overlap: bool = True, sub_group_size: int | None = ZERO3_SUB_GROUP_SIZE,
          exchange_flops_per_byte: float | None = None) -> Plan:
@@ -201,7 +201,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
             ``plan_ns_dtype`` does for an explicit dtype).
         comm_dtype: the exchange's dtype on the wire (``Muon``'s default: the fp32 updates').
         param_bytes, grad_bytes: bytes per element of the backend's parameter and gradient
-            collectives (2: bf16 mixed precision).
+            collectives (bf16 mixed precision: 2; gradients ``None``: 4 under DDP, whose parameters
+            and so gradients stay fp32 under autocast, 2 under FSDP2's and ZeRO's bf16 reduce).
         matmul_efficiency: fraction of the matmul peak Newton–Schulz reaches (default
             ``MATMUL_EFFICIENCY``; ``MEASURED_MATMUL_EFFICIENCY`` for a measured rate).
         plan_dtype: the dtype the owner plan is costed in (``plan_ns_dtype``; default ``ns_dtype``).
@@ -288,6 +289,8 @@ def plan(tensors: ModelTensors, layout: str, world: int, device: Accelerator, li
     adamw_s = max(ADAMW_BYTES_PER_ELEMENT * a for a in adamw_everything) / device.memory_bandwidth
     times = StepTimes(ns_s, exchange_s, elementwise_s, elementwise_s + ns_s + exchange_s,
                       elementwise_s + max(ns_s, exchange_s), adamw_s)
+    if grad_bytes is None:
+        grad_bytes = 4 if layout == "ddp" else 2
     backend = _backend_bytes(layout, world, all_params, param_bytes, grad_bytes) if world > 1 else {}
     backend_total = sum(backend.values())
 

@@ -61,12 +61,16 @@ def load_config(model: str):
 
     if model in preset_names():
         return transformers.AutoConfig.from_pretrained(str(PRESET_DIR / f"{model}.json"))
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ValueError(f"{model}: a folder without config.json; give a model folder or a config.json file")
-        return transformers.AutoConfig.from_pretrained(model)
-    if os.path.isfile(model):
-        return transformers.AutoConfig.from_pretrained(model)
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"{model}: a folder without config.json; give a model folder or a config.json file")
+    if os.path.exists(model):
+        try:
+            return transformers.AutoConfig.from_pretrained(model)
+        except Exception as error:  # noqa: BLE001 - not JSON, or values the config class refuses
+            raise ValueError(f"{model} is not a config transformers can read ({type(error).__name__}: "
+                             f"{str(error).strip()[:300]}): fix it") from None
+    if model.endswith(".json") or os.sep in model:
+        raise ValueError(f"{model}: no such file or folder")
     try:
         return transformers.AutoConfig.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError) as error:
@@ -76,17 +80,30 @@ def load_config(model: str):
         ) from None
 
 
-def meta_model(config):
-    """The model ``config`` describes (its ``architectures[0]`` class, else ``AutoModel``), on the meta device."""
+def meta_model(config, where: str = "the config"):
+    """The model ``config`` describes, on the meta device: its ``architectures[0]`` class, else the
+    causal-LM class of its model type (what training builds; ``AutoModel`` where there is none, which
+    has no LM head). ``ValueError`` where transformers lacks the named class or cannot build it."""
     import torch
     import transformers
 
     architectures = getattr(config, "architectures", None) or []
-    model_cls = getattr(transformers, architectures[0], None) if architectures else None
-    with torch.device("meta"):
-        if model_cls is not None:
-            return model_cls._from_config(config)
-        return transformers.AutoModel.from_config(config)
+    if architectures:
+        model_cls = getattr(transformers, architectures[0], None)
+        if model_cls is None:
+            raise ValueError(f"{where} names the class {architectures[0]!r} in 'architectures', which transformers "
+                             f"{transformers.__version__} does not have: fix 'architectures' or upgrade transformers")
+        build = model_cls._from_config
+    elif type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        build = transformers.AutoModelForCausalLM.from_config
+    else:
+        build = transformers.AutoModel.from_config
+    try:
+        with torch.device("meta"):
+            return build(config)
+    except Exception as error:  # noqa: BLE001 - a config the model class refuses (its own asserts)
+        raise ValueError(f"transformers cannot build a {type(config).__name__} model from {where}: "
+                         f"{type(error).__name__}: {error}") from error
 
 
 def model_tensors(model, name: str | None = None, ns_split: str = "block") -> ModelTensors:
@@ -112,5 +129,5 @@ def model_tensors(model, name: str | None = None, ns_split: str = "block") -> Mo
 
 def load_model_tensors(model: str, ns_split: str = "block") -> ModelTensors:
     """:func:`model_tensors` of the model ``model`` names (see :func:`load_config`), built on the meta device."""
-    built = meta_model(load_config(model))
+    built = meta_model(load_config(model), model)
     return model_tensors(built, f"{model} ({type(built).__name__})", ns_split)

@@ -81,8 +81,8 @@ def with_peak(device: Accelerator, peak_tflops: float | None) -> Accelerator:
     """``device`` with its matmul rate (any dtype) set to ``peak_tflops`` (``--peak_tflops``), if given."""
     if peak_tflops is None:
         return device
-    if peak_tflops <= 0:
-        raise ValueError(f"--peak_tflops must be > 0, got {peak_tflops}")
+    if not 0 < peak_tflops < float("inf"):
+        raise ValueError(f"--peak_tflops must be a finite number > 0, got {peak_tflops}")
     return replace(device, name=f"{device.name} at {peak_tflops:g} TFLOP/s", bf16_flops=peak_tflops * T,
                    fp32_flops=peak_tflops * T)
 
@@ -102,8 +102,8 @@ def interconnect(name: str, link_gbs: float | None = None, latency_us: float | N
     else:
         preset = INTERCONNECTS[name]
     if link_gbs is not None:
-        if link_gbs <= 0:
-            raise ValueError(f"--link_gbs must be > 0, got {link_gbs}")
+        if not 0 < link_gbs < float("inf"):
+            raise ValueError(f"--link_gbs must be a finite number > 0, got {link_gbs}")
         preset = replace(preset, name=f"{name} at {link_gbs:g} GB/s", bandwidth=link_gbs * G)
     if latency_us is not None:
         if not 0 <= latency_us < float("inf"):

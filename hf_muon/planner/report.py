@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from .cost import Plan
 
@@ -44,8 +45,10 @@ def plan_text(plan: Plan) -> str:
         f"Muon: {p.muon_tensors} tensors ({p.matrices} matrices, {params_text(p.muon_params)} parameters); "
         f"AdamW: {params_text(p.adamw_params)} parameters",
         f"Newton–Schulz: {p.ns_dtype}, {p.ns_steps} steps at {p.matmul_efficiency:.0%} of the matmul rate; "
-        f"{p.busy_ranks} of {p.world} ranks own matrices; {p.exchanges} exchange{'s' if p.exchanges != 1 else ''} "
-        f"in {p.comm_dtype}: {p.buckets} bucket{'s' if p.buckets != 1 else ''}, {p.exchange_collectives} all-to-all calls",
+        f"{p.busy_ranks} of {p.world} ranks own matrices; " + (
+            f"{p.exchanges} exchange{'s' if p.exchanges != 1 else ''} in {p.comm_dtype}: {p.buckets} "
+            f"bucket{'s' if p.buckets != 1 else ''}, {p.exchange_collectives} all-to-all calls"
+            if p.exchange_collectives else "nothing exchanged (each rank orthogonalizes what it holds)"),
     ]
     if p.exchange_flops_per_byte is not None:
         lines.append(f"owner plan: matrices held whole by one rank may move at {p.exchange_flops_per_byte:.3g} FLOP "
@@ -97,8 +100,30 @@ def plans_text(plans: list[Plan]) -> str:
     return "\n\n".join(parts)
 
 
+# what the JSON's numbers count (``Plan``'s fields)
+JSON_UNITS = "FLOP (ns_flops), bytes (exchange_*, backend_*, *_state_bytes, owner_buffer_bytes), seconds (times, " \
+             "backend_seconds), FLOP per byte (*_flops_per_byte)"
+
+
 def plans_json(plans: list[Plan]) -> str:
-    return json.dumps([p.to_dict() for p in plans], indent=2)
+    """The plans as JSON, one object per world size, each with ``"units"`` (see ``JSON_UNITS``)."""
+    return json.dumps([{**p.to_dict(), "units": JSON_UNITS} for p in plans], indent=2)
+
+
+def check_plot_path(path: str) -> None:
+    """``ValueError`` unless a plot can be saved at ``path`` (an existing folder, a format matplotlib writes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: no folder {folder}")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        raise ValueError(f"--plot {path}: give a file name ending in one of {', '.join('.' + f for f in sorted(formats))}")
 
 
 def plot_plans(plans: list[Plan], path: str) -> None:
@@ -108,6 +133,8 @@ def plot_plans(plans: list[Plan], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    check_plot_path(path)
+    plans = sorted(plans, key=lambda p: p.world)
     worlds = [p.world for p in plans]
     series = {
         "hf_muon, sum": ([p.times.muon_sum for p in plans], "-", "C0"),
