@@ -302,6 +302,42 @@ def test_zamba2s_mlp_and_its_adapters_are_gate_then_up():
             assert torch.allclose(flipped(x, layer_idx=1), -base, atol=1e-6) == (kind == "up"), kind
 
 
+@pytest.mark.parametrize("kdim", [None, 12])
+def test_torch_multihead_attentions_projections_get_muon_per_block(kdim):
+    """``nn.MultiheadAttention`` keeps q | k | v in ``in_proj_weight`` (or apart, where keys and values
+    have other sizes): Muon, per block, and per head the heads its own ``forward`` reads (checked
+    through ``need_weights``: perturbing ``q.h1`` changes head 1's attention only)."""
+    from hf_muon.optimizer.param_split import split_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True) if kdim is None else \
+        torch.nn.Sequential(torch.nn.MultiheadAttention(32, 4, kdim=kdim, vdim=kdim, batch_first=True))
+    model.eval()  # no dropout of the probabilities
+    attention = model.self_attn if kdim is None else model[0]
+    muon = {n for n, _ in split_parameters(model).muon}
+    assert ({"self_attn.in_proj_weight"} if kdim is None else
+            {"0.q_proj_weight", "0.k_proj_weight", "0.v_proj_weight"}) <= muon
+    blocks = {n: b for n, b in fused_blocks(model, "block").values()}
+    assert [b.names for b in blocks.values()] == ([("q", "k", "v")] if kdim is None else [])
+    x, kv = torch.randn(1, 6, 32), torch.randn(1, 6, kdim or 32)
+
+    def probabilities(m):
+        with torch.no_grad():
+            return m(x, kv, kv, need_weights=True, average_attn_weights=False)[1][0]  # [heads, T, S]
+
+    base = probabilities(attention)
+    for param_name, cut in fused_blocks(model, "head").values():
+        for block, block_name in zip(cut.indices(), cut.names):
+            perturbed = copy.deepcopy(model)
+            w = perturbed.get_parameter(param_name)
+            with torch.no_grad():
+                w.index_add_(0, block, torch.randn_like(w.index_select(0, block)))
+            head_attention = perturbed.self_attn if kdim is None else perturbed[0]
+            changed = [not torch.allclose(a, b, atol=1e-6) for a, b in zip(probabilities(head_attention), base)]
+            kind, head = block_name.split(".h")
+            assert changed == [kind in "qk" and h == int(head) for h in range(4)], f"{param_name} {block_name}: {changed}"
+
+
 def test_modernberts_wi_is_input_then_gate():
     """``input, gate = self.Wi(x).chunk(2, dim=-1)``, output ``Wo(act(input) * gate)``: negating the
     gate block's rows negates the MLP's output exactly; negating the other block does not."""
@@ -456,8 +492,17 @@ def test_head_split_reads_each_modules_own_head_size():
     found = fused_blocks(torch.nn.Sequential(MyAttention(8, v_head_dim=6)), "head")
     assert {name: b.sizes() for name, b in found.values()} == {
         "0.q_proj.weight": [8] * 4, "0.k_proj.weight": [8] * 2, "0.v_proj.weight": [6] * 4}
-    with pytest.raises(ValueError, match="cannot read the head size of a MyAttention .*ns_split='block'"):
-        fused_blocks(torch.nn.Sequential(MyAttention(None)), "head")
+    with pytest.warns(UserWarning, match=r"1 attention module\(s\) keep no head size .* 0 \(MyAttention\)"):
+        assert fused_blocks(torch.nn.Sequential(MyAttention(None)), "head") == {}  # whole, not by a config's heads
+
+    class ProjectedAgain(MyAttention):  # Aria's cross-attention: an nn.MultiheadAttention projects q, k, v again
+        def __init__(self):
+            super().__init__(8)
+            self.attention = torch.nn.MultiheadAttention(32, 4, kdim=16, vdim=16)
+
+    found = fused_blocks(torch.nn.Sequential(ProjectedAgain()), "head")
+    assert sorted(n for n, _ in found.values()) == ["0.attention.k_proj_weight", "0.attention.q_proj_weight",
+                                                    "0.attention.v_proj_weight"]
     with pytest.raises(ValueError, match="'q' of 32 rows does not hold whole heads of 12.*ns_split='block'"):
         fused_blocks(torch.nn.Sequential(MyAttention(12)), "head")
 

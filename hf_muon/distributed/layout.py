@@ -36,7 +36,7 @@ class TensorLayout:
         """``(batch, rows, cols)`` as Newton–Schulz sees it (see ``as_matrices``)."""
         if self.stacked:
             return math.prod(self.shape[:-2]), self.shape[-2], self.shape[-1]
-        return 1, self.shape[0], self.numel // self.shape[0]
+        return 1, self.shape[0], math.prod(self.shape[1:])  # not numel // rows: a tensor may have 0 rows
 
     @property
     def ns_matrices(self) -> list[tuple[int, int]]:

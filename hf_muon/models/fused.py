@@ -18,6 +18,7 @@ whose module subclasses a supported one (most ``Copied from`` variants do) is re
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -162,10 +163,11 @@ def _heads(module: nn.Module, config: Any) -> tuple[int, int, int]:
     return int(heads), int(kv), int(head_dim)
 
 
-def _head_dim(module: nn.Module, config: Any, blocks: Blocks) -> int | dict[str, int]:
+def _head_dim(module: nn.Module, config: Any, blocks: Blocks, config_fallback: bool = True) -> int | dict[str, int] | None:
     """The head size to cut ``blocks`` by: the module's own (a gated delta net's or MiMo's: one for
     queries and keys, one for values), else its query block over its own heads (SAM's, ViTDet's, ... vision
-    attention keep no ``head_dim``; the config is the text model's), else what its config says."""
+    attention keep no ``head_dim``; the config is the text model's), else what its config says
+    (``None`` instead with ``config_fallback=False``)."""
     head_k, head_v = getattr(module, "head_k_dim", None), getattr(module, "head_v_dim", None)
     if isinstance(head_k, int) and isinstance(head_v, int):
         return {"q": head_k, "k": head_k, "v": head_v}
@@ -177,6 +179,8 @@ def _head_dim(module: nn.Module, config: Any, blocks: Blocks) -> int | dict[str,
              or getattr(module, "groups", None))  # Florence-2's channel attention: per group
     if isinstance(heads, int) and "q" in blocks.names:
         return blocks.sizes()[blocks.names.index("q")] // heads
+    if not config_fallback:
+        return None
     try:  # the config's (Swin-like configs keep a tuple of heads per stage: not one module's)
         return _heads(module, config)[2]
     except (AttributeError, TypeError, ValueError, RuntimeError, ZeroDivisionError) as error:
@@ -309,6 +313,18 @@ def _qwen3_next_delta_net(module: nn.Module, config: Any) -> Iterator[tuple[nn.M
                                       [("b", 0, per_group), ("a", per_group, per_group)])
 
 
+def _torch_multihead_attention(module: nn.Module, config: Any) -> Iterator[tuple[Tensor, Blocks]]:
+    """``nn.MultiheadAttention``: ``in_proj_weight`` rows q | k | v, each ``embed_dim`` (where keys and
+    values have other sizes it keeps ``q_proj_weight``, ... apart: nothing fused)."""
+    if module.in_proj_weight is not None:
+        d = module.embed_dim
+        yield module.in_proj_weight, _contiguous(0, [("q", d), ("k", d), ("v", d)])
+    elif module.q_proj_weight is not None:
+        for name in ("q", "k", "v"):
+            weight = getattr(module, f"{name}_proj_weight")
+            yield weight, _contiguous(0, [(name, weight.shape[0])])  # one block: cut only per head
+
+
 # Stacked experts whose gate and up columns alternate (``gate_up[..., ::2], gate_up[..., 1::2]``).
 INTERLEAVED_GATE_UP = ("GptOssExperts",)
 
@@ -408,6 +424,7 @@ FUSED_RULES: dict[str, Rule] = {
     **{name: _qkv_thirds("qkv") for name in QKV_THIRDS},
     "Exaone4_5_VisionAttention": _q_kv_sizes,
     "CodeGenAttention": _codegen_attention,
+    "activation.MultiheadAttention": _torch_multihead_attention,  # torch.nn's
     "DbrxAttention": _dbrx_attention,
 }
 # Where each supported model keeps its fused weights (the README's table is checked against this).
@@ -436,6 +453,7 @@ MODEL_TABLE = (
      "qkv: q | k | v rows (Exaone 4.5's: GQA sizes)"),
     ("CodeGen", "CodeGenAttention", "qkv_proj: per model-parallel group (4) [its q | v | k] rows"),
     ("DBRX", "DbrxAttention", "Wqkv: q | k | v rows (GQA sizes)"),
+    ("PyTorch's nn.Transformer layers", "nn.MultiheadAttention", "in_proj_weight: q | k | v rows"),
     ("GLM, GLM-4 (and GLM-4V, GLM-Image, GLM-OCR text), Dia, Phi-4-multimodal, MiniMax-M3-VL, ...",
      "GlmMLP, Glm4MLP, ... (Phi3MLP's copies)", "gate_up_proj: gate | up (Phi-4-multimodal's audio MLP: up | gate)"),
     ("MoEs with stacked experts on transformers 5 (Mixtral, Qwen-MoE, DeepSeek, OLMoE, Llama 4, GPT-OSS, ...)",
@@ -456,9 +474,11 @@ def _rule_for(module: nn.Module) -> tuple[str, Rule] | None:
 
 def _separate_projections(module: nn.Module) -> list[tuple[str, nn.Linear]]:
     """An attention module's own q/k/v ``nn.Linear`` projections (Llama, Qwen2, Mistral, ... keep
-    them apart), for ``ns_split="head"``."""
+    them apart), for ``ns_split="head"``; none where an ``nn.MultiheadAttention`` inside projects
+    them again (Aria's cross-attention: its heads are cut from that projection's output, not these)."""
     found = [(name, getattr(module, f"{name}_proj", None)) for name in ("q", "k", "v")]
-    if type(module).__name__.endswith("Attention") and all(isinstance(m, nn.Linear) for _, m in found):
+    if (type(module).__name__.endswith("Attention") and all(isinstance(m, nn.Linear) for _, m in found)
+            and not any(isinstance(child, nn.MultiheadAttention) for child in module.children())):
         return found  # type: ignore[return-value]
     return []
 
@@ -497,6 +517,7 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
         config = config.get_text_config()
     names = {id(p): n for n, p in model.named_parameters()}
     found: dict[int, tuple[str, Blocks]] = {}
+    headless: list[str] = []
     for module_name, module in model.named_modules():
         matched = _rule_for(module)
         targets: list[tuple[nn.Module, Blocks]] = []
@@ -507,8 +528,13 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
                 targets.append((holder, blocks))
         elif ns_split == "head":
             projections = _separate_projections(module)
-            if projections:
-                hd = _head_dim(module, config, _contiguous(0, [("q", projections[0][1].out_features)]))
+            # the module's own head size only: one that keeps none (GroupViT's single-head assignment
+            # attention) is not cut by its config's, which may be another tower's
+            hd = _head_dim(module, None, _contiguous(0, [("q", projections[0][1].out_features)]),
+                           config_fallback=False) if projections else None
+            if projections and hd is None:
+                headless.append(f"{module_name} ({type(module).__name__})")
+            if hd is not None:
                 for name, linear in projections:
                     targets.append((linear, _per_head(_contiguous(0, [(name, linear.out_features)]), hd)))
         for holder, blocks in targets:
@@ -518,6 +544,10 @@ def fused_blocks(model: nn.Module, ns_split: str = "block") -> dict[int, tuple[s
             _weight_axis_blocks(torch.empty(shape, device="meta"), blocks, where)
             if len(blocks.segments) > 1:
                 found[id(weight)] = (names.get(id(weight), where), blocks)
+    if headless:
+        warnings.warn(f"hf_muon: ns_split='head': {len(headless)} attention module(s) keep no head size of their own, "
+                      f"so their q, k and v projections are orthogonalized whole: {', '.join(headless[:3])}"
+                      f"{', ...' if len(headless) > 3 else ''}", stacklevel=2)
     return found
 
 

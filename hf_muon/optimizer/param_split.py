@@ -116,6 +116,11 @@ def stored_in_by_out(model: nn.Module) -> set[int]:
     return conv1d | experts
 
 
+# torch's own attention keeps its input projections as parameters, not Linear layers: q | k | v in
+# ``in_proj_weight``, or one each where keys and values have other sizes (see models/fused.py)
+MULTIHEAD_ATTENTION_MATRICES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
 def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tuple[str, str, bool]:
     """(algorithm, reason, stacked) for a parameter that lives in the model body."""
     kind = type(module).__name__
@@ -131,6 +136,8 @@ def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tu
         return MUON, "hidden matrix (transformers Conv1D)", False
     if local_name == "weight" and isinstance(module, _CONV_TYPES):
         return MUON, f"hidden convolution ({kind}, viewed as out x in*kernel)", False
+    if isinstance(module, nn.MultiheadAttention) and local_name in MULTIHEAD_ATTENTION_MATRICES:
+        return MUON, f"hidden matrix ({kind}.{local_name})", False
     num_experts = getattr(module, "num_experts", None)
     if isinstance(num_experts, int) and shape[0] == num_experts:
         if len(shape) == 3:
