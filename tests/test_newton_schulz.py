@@ -295,6 +295,8 @@ def test_aol_argument_errors_and_defaults():
     for shape in [(0, 5), (5, 0), (3, 0, 4)]:  # nothing to orthogonalize: an empty result of G's shape
         assert orthogonalize(torch.randn(shape)).shape == shape
     assert default_ns_steps("aol") == 4 and default_ns_steps("frobenius") == 5
+    with pytest.raises(ValueError, match="ns_flops needs steps >= 1"):
+        ns_flops(4, 8, -4, "standard")
     g = torch.randn(16, 40)
     assert torch.equal(orthogonalize(g, precondition="aol"), orthogonalize(g, 4, precondition="aol"))
     assert torch.equal(orthogonalize(g), orthogonalize(g, 5, precondition="frobenius"))

@@ -336,6 +336,17 @@ def test_a_matrix_with_no_rows_or_columns_steps(shape):
     assert model[0].weight.shape == shape and not torch.equal(model[2].weight, before)
 
 
+def test_meta_parameters_step():
+    """A model on the meta device (a dry run of the optimizer's code) steps, as torch's optimizers do."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+    opt = Muon(model, lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    opt.step()
+    assert opt.skipped_steps == 0 and all(p.is_meta for p in model.parameters())
+
+
 def test_ns_dtype_policy(monkeypatch):
     from hf_muon.optimizer import muon
 

@@ -125,6 +125,8 @@ def _use_muon_attribute():
 BAD_INPUTS = [
     ("lr-negative", "Muon(params, lr=-1)", _muon(lr=-1.0), ValueError, "lr must be a finite number >= 0"),
     ("lr-string", "Muon(params, lr='1e-3')", _muon(lr="1e-3"), ValueError, "lr must be a finite number"),
+    ("lr-bool", "Muon(params, lr=True)", _muon(lr=True), ValueError, "lr must be a finite number"),
+    ("betas-one", "betas=(0.9,)", _muon(betas=(0.9,)), ValueError, r"betas must be a pair \(beta1, beta2\)"),
     ("weight-decay-negative", "weight_decay=-0.1", _muon(weight_decay=-0.1), ValueError,
      "weight_decay must be a finite number >= 0"),
     ("weight-decay-inf", "weight_decay=float('inf')", _muon(weight_decay=float("inf")), ValueError,

@@ -127,6 +127,8 @@ def ns_matmuls(rows: int, cols: int, steps: int, method: str, dtype: torch.dtype
 def ns_flops(rows: int, cols: int, steps: int, method: str, dtype: torch.dtype = torch.float32,
              precondition: str = "frobenius") -> int:
     """Floating-point operations of one Newton–Schulz run (2 per multiply-add of every product)."""
+    if not (isinstance(steps, int) and steps >= 1) or min(rows, cols) < 0:
+        raise ValueError(f"ns_flops needs steps >= 1 and sizes >= 0, got steps={steps!r}, {rows} x {cols}")
     return sum(2 * m * k * n for m, k, n in ns_matmuls(rows, cols, steps, method, dtype, precondition))
 
 

@@ -602,13 +602,14 @@ class Muon(Optimizer):
 
     @staticmethod
     def _check_hyperparameters(h: dict) -> None:
-        if not (isinstance(h["lr"], (int, float)) and 0 <= h["lr"] < math.inf):
+        if not (isinstance(h["lr"], (int, float)) and not isinstance(h["lr"], bool) and 0 <= h["lr"] < math.inf):
             raise ValueError(f"lr must be a finite number >= 0, got {h['lr']!r}")
         if not 0 <= h["weight_decay"] < math.inf:
             raise ValueError(f"weight_decay must be a finite number >= 0, got {h['weight_decay']}")
         if not 0 <= h["momentum"] < 1:
             raise ValueError(f"momentum must be in [0, 1), got {h['momentum']}")
-        if h["ns_steps"] is not None and not (isinstance(h["ns_steps"], int) and 1 <= h["ns_steps"] < 100):
+        if h["ns_steps"] is not None and not (isinstance(h["ns_steps"], int) and not isinstance(h["ns_steps"], bool)
+                                              and 1 <= h["ns_steps"] < 100):
             raise ValueError(f"ns_steps must be an integer in [1, 100) or None (the preconditioner's default), "
                              f"got {h['ns_steps']!r}")
         check_precondition(h.get("ns_precondition", DEFAULT_NS_PRECONDITION))
@@ -619,6 +620,8 @@ class Muon(Optimizer):
         if h["adjust_lr"] not in ADJUST_LR_RULES:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR_RULES}, got {h['adjust_lr']!r}")
         resolve_ns_dtype(h["ns_dtype"])
+        if not (isinstance(h["betas"], (tuple, list)) and len(h["betas"]) == 2):
+            raise ValueError(f"betas must be a pair (beta1, beta2), each in [0, 1), got {h['betas']!r}")
         beta1, beta2 = h["betas"]
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
             raise ValueError(f"betas must each be in [0, 1), got {h['betas']}")
@@ -854,7 +857,7 @@ class Muon(Optimizer):
                 if p.grad is not None:
                     _check_grad(p)
                     grad = local(p.grad)
-                    if grad.numel():  # a ZeRO-3 rank may hold none of a tensor
+                    if grad.numel() and not grad.is_meta:  # a ZeRO-3 rank may hold none of a tensor
                         # one pass, no temporaries (isfinite().all() takes four): NaN propagates
                         # through min and max, and an infinity is one of them
                         flags += torch.aminmax(grad)
