@@ -32,6 +32,8 @@ ZERO_CASES = {
     **{f"{model}-fused": ["--stages", stages, "--model", model, "--steps", "4",
                           *(["--adjust_lr", "original"] if model == "gpt2" else [])] for model, stages in FUSED_CASES},
     "mixtral": ["--stages", "2,3", "--model", "mixtral", "--steps", "3"],
+    # ZeRO-1 binds partitions as ZeRO-2 does; ZeRO-3 cannot shard a matrix with no rows (DeepSpeed's own limit)
+    "torch-layer": ["--stages", "2", "--model", "torch_layer", "--steps", "3"],
     "auto-rates": ["--stages", "2,3", "--steps", "3", "--exchange_flops_per_byte", "auto"],
     "bf16": ["--stages", "0,1,2,3", "--dtype", "bf16"],
     "bf16-fp32-accum": ["--stages", "1", "--dtype", "bf16_fp32_accum"],
@@ -100,6 +102,17 @@ def test_fused_blocks_under_zero(zero_runs, model, stages):
     r = results["3"]
     planned, = plan_tensors(model_tensors(build(model)), "zero3", [2], "h100-sxm", "ib-400g", ns_dtype=torch.float32)
     assert sorted(f / r["steps"] for f in r["ns_flops"]) == [planned.ns_flops.min, planned.ns_flops.max], r
+
+
+@pytest.mark.slow
+def test_torch_transformer_layer_and_a_matrix_with_no_rows_under_zero2(zero_runs):
+    """``nn.MultiheadAttention``'s ``in_proj_weight`` (Muon, q | k | v blocks) and an ``nn.Linear(8, 0)``,
+    which DeepSpeed leaves out of its groups (binding the partitions failed on it, naming a missing
+    ``_dp_group``): the single-process answer."""
+    r = zero_runs["torch-layer"]["2"]
+    assert "refused" not in r, r
+    assert max(r["max_rel_diff"]) <= 1e-5, r
+    assert r["ns_matrices"] > r["muon_tensors"], r  # in_proj_weight's three blocks
 
 
 @pytest.mark.slow

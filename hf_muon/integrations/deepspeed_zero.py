@@ -90,7 +90,8 @@ def bind_flat_partition(flat: Tensor, matrices: list[Tensor], stacked: bool) -> 
     z3 = next((_ds(p, "_z3_optimizer") for p in matrices if hasattr(p, "_z3_optimizer")), None)
     if z3 is not None:
         return _bind_stage3(flat, z3, stacked)
-    return _bind_stage1_2(flat, [p for p in matrices if p.requires_grad], stacked)
+    # DeepSpeed leaves frozen and zero-element parameters out of its groups (``is_optimized_parameter``)
+    return _bind_stage1_2(flat, [p for p in matrices if p.requires_grad and p.numel() > 0], stacked)
 
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:

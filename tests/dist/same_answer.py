@@ -52,16 +52,39 @@ class Block(nn.Module):
         return self.head(self.norm(h))
 
 
-MODELS = ("block", "gpt2", "phi3", "neox", "falcon", "mixtral", "mixtral3")
+class TorchLayer(nn.Module):
+    """PyTorch's own transformer layer (``nn.MultiheadAttention``: q | k | v in one ``in_proj_weight``
+    parameter) and a matrix with no rows (``nn.Linear(8, 0)``, which DeepSpeed leaves out of its groups)."""
+
+    def __init__(self, d: int = 48) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, d)
+        self.layer = nn.TransformerEncoderLayer(d, 4, dim_feedforward=2 * d, dropout=0.0, batch_first=True)
+        self.narrow = nn.Linear(d, 8)
+        self.empty = nn.Linear(8, 0)
+        self.wide = nn.Linear(8, d)
+        self.head = nn.Linear(d, 64, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.layer(self.embed(ids))
+        narrow = self.narrow(h)
+        h = h + self.wide(torch.cat([narrow, self.empty(narrow)], -1))
+        return self.head(h)
+
+
+MODELS = ("block", "gpt2", "phi3", "neox", "falcon", "mixtral", "mixtral3", "torch_layer")
 
 
 def build(name: str) -> nn.Module:
     """``block`` (the mixed shapes above) or a tiny model with fused projections that the optimizer
     orthogonalizes block by block: ``gpt2`` (q | k | v columns of a Conv1D), ``phi3`` (q | k | v rows
     of GQA sizes, gate | up), ``neox`` (q, k, v interleaved per head), ``falcon`` (per kv group);
-    or ``mixtral`` (stacked experts on transformers 5: a param group of their own)."""
+    or ``mixtral`` (stacked experts on transformers 5: a param group of their own), or
+    ``torch_layer`` (see :class:`TorchLayer`)."""
     if name == "block":
         return Block()
+    if name == "torch_layer":
+        return TorchLayer()
     import transformers as T
 
     common = dict(vocab_size=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -98,6 +121,8 @@ def sharded_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards on their own before the root."""
     if isinstance(model, Block):
         return [model.q, model.kv, model.up, model.down, model.conv]
+    if isinstance(model, TorchLayer):
+        return [model.layer]
     units: dict[str, nn.Module] = {}  # the outermost only: Mixtral's MoE block sits inside its layer
     for name, m in model.named_modules():
         if type(m).__name__.endswith(("Block", "DecoderLayer", "Layer")) and type(m).__name__ != "Block" \

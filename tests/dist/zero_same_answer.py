@@ -118,7 +118,8 @@ def run_case(args: argparse.Namespace, rank: int, world: int) -> dict:
                 raise
             results[stage] = {"refused": str(error)}
             continue
-        worst = max(((t - q).abs().max() / q.abs().max()).item() for t, q in zip(r.pop("trained"), reference.parameters()))
+        worst = max(((t - q).abs().max() / q.abs().max()).item()
+                    for t, q in zip(r.pop("trained"), reference.parameters()) if q.numel())
         figures = torch.tensor([worst, r["ns_calls"], r["bytes_sent"], r["bytes_received"], r["ns_flops"],
                                 r["exchanges"], *r["link_rates"]], dtype=torch.float64)
         gathered = [torch.zeros_like(figures) for _ in range(world)]
