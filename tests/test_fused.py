@@ -516,9 +516,9 @@ def test_every_transformers_model_is_cut_or_refused_with_a_reason():
 
     from hf_muon.models.fused import unknown_fused_looking
 
-    built, failures, unknown = 0, [], {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    built, failures, refused, unknown, headless = 0, [], [], {}, set()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         T.logging.set_verbosity_error()
         for model_type in sorted(CONFIG_MAPPING.keys()):
             model = None
@@ -534,21 +534,25 @@ def test_every_transformers_model_is_cut_or_refused_with_a_reason():
                 continue
             built += 1
             for split in ("block", "head"):
+                seen.clear()
                 try:
                     fused_blocks(model, split)
                 except ValueError as error:
-                    if not str(error).startswith("hf_muon:"):
-                        failures.append(f"{model_type} {split}: {error!r}")
+                    (refused if str(error).startswith("hf_muon:") else failures).append(f"{model_type} {split}: {error}")
                 except Exception as error:
                     failures.append(f"{model_type} {split}: {error!r}")
+                if any(str(w.message).startswith("hf_muon:") for w in seen):
+                    headless.add(model_type)
             found = unknown_fused_looking(model)
             if found:
                 unknown[model_type] = sorted(found.values())[:2]
             del model
     assert built >= 300, f"only {built} model types built"
     assert not failures, "\n".join(failures)
-    if T.__version__ == "5.25.0":  # every fused-looking weight of this release has a layout
+    if T.__version__ == "5.25.0":  # this release: every fused-looking weight has a layout, every model is cut
         assert not unknown, unknown
+        assert not refused, "\n".join(refused)
+        assert headless == {"groupvit"}, headless  # its single-head assignment attention keeps no head size
 
 
 def polar(x: torch.Tensor) -> torch.Tensor:

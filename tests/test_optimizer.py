@@ -322,6 +322,12 @@ def test_a_pinned_muon_group_reads_stacked_experts_from_the_model():
     with pytest.warns(UserWarning, match=r"without their model.*\(3, 96, 32\).*'stacked': True"):
         Muon([nn.Parameter(torch.zeros(3, 96, 32))])
     assert Muon([{"params": experts[:1], "algorithm": "muon", "stacked": True}]).param_groups[0]["stacked"] is True
+    # a state saved while such a group read the stack as one matrix: the model's stacks stay stacks
+    old = Muon([{"params": experts, "algorithm": "muon", "stacked": False}, {"params": rest}], model=model)
+    new = Muon([{"params": experts, "algorithm": "muon"}, {"params": rest}], model=model)
+    with pytest.warns(UserWarning, match="group 0 was saved orthogonalizing its stacked experts as one matrix"):
+        new.load_state_dict(old.state_dict())
+    assert new.param_groups[0]["stacked"] is True
 
 
 @pytest.mark.parametrize("shape", [(8, 0), (0, 8)])
@@ -334,6 +340,16 @@ def test_a_matrix_with_no_rows_or_columns_steps(shape):
         p.grad = torch.randn_like(p)
     opt.step()
     assert model[0].weight.shape == shape and not torch.equal(model[2].weight, before)
+    # a fused weight with no rows: Phi-3's gate | up at intermediate_size=0, two empty blocks
+    import transformers as T
+
+    phi3 = T.AutoModelForCausalLM.from_config(T.Phi3Config(hidden_size=32, intermediate_size=0, num_hidden_layers=1,
+                                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=50,
+                                                           pad_token_id=0))
+    opt = Muon(phi3, lr=0.1)
+    assert opt.fused_blocks()["model.layers.0.mlp.gate_up_proj.weight"].sizes() == [0, 0]
+    phi3(torch.randint(0, 50, (1, 4))).logits.sum().backward()
+    opt.step()
 
 
 def test_meta_parameters_step():
@@ -345,6 +361,27 @@ def test_meta_parameters_step():
         p.grad = torch.empty_like(p)
     opt.step()
     assert opt.skipped_steps == 0 and all(p.is_meta for p in model.parameters())
+
+
+def test_a_state_from_before_multihead_attention_got_muon_names_the_way_to_resume(tmp_path):
+    """Checkpoints written while nn.MultiheadAttention's input projections were AdamW (stood in for by
+    force_adamw) are refused, saying which force_adamw resumes them; with it they load."""
+    from hf_muon.checkpoint import CheckpointError, load_portable, save_portable
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 32), nn.TransformerEncoderLayer(32, 4, 64, batch_first=True),
+                          nn.Linear(32, 16))
+    before = Muon(model, force_adamw=r"in_proj_weight$")
+    model(torch.randint(0, 16, (2, 5))).sum().backward()
+    before.step()
+    save_portable(before, model, str(tmp_path))
+    hint = r"force_adamw=r'\(in\|q\|k\|v\)_proj_weight\$'"
+    with pytest.raises(ValueError, match="holds other parameters than when saved.*" + hint):
+        Muon(model).load_state_dict(before.state_dict())
+    with pytest.raises(CheckpointError, match="in_proj_weight: adamw in the checkpoint, muon now.*" + hint):
+        load_portable(Muon(model), model, str(tmp_path))
+    Muon(model, force_adamw=r"(in|q|k|v)_proj_weight$").load_state_dict(before.state_dict())
+    load_portable(Muon(model, force_adamw=r"(in|q|k|v)_proj_weight$"), model, str(tmp_path))
 
 
 def test_ns_dtype_policy(monkeypatch):

@@ -59,13 +59,18 @@ assert standard(64, 64) == 7_864_320 and gram(64, 64) == 9_961_472
 assert standard(32, 64) == 1_638_400 and gram(32, 64) == 1_376_256
 
 
+def tiny_llama_config() -> dict:
+    import transformers
+
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=128).to_dict()
+
+
 def tiny_llama():
     """GQA: 4 heads of 16, 2 KV heads -> k, v are 32 x 64."""
     import transformers
 
-    return meta_model(transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, architectures=["LlamaForCausalLM"]))
+    return meta_model(transformers.LlamaConfig.from_dict({**tiny_llama_config(), "architectures": ["LlamaForCausalLM"]}))
 
 
 def tiny_gpt2():
@@ -486,9 +491,10 @@ def test_bad_inputs_api(tmp_path):
         plan_model("no-such-model-xyz", "ddp", [2])
 
 
-def _cli_process(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _cli_process(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
     """``python -m hf_muon.cli plan ...`` as a user runs it (5 s of imports each time)."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1",
+           **env_vars}
     return subprocess.run([sys.executable, "-m", "hf_muon.cli", "plan", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -535,6 +541,18 @@ def test_cli_bad_inputs(args, message):
     result = _cli(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_cli_reads_a_model_id_from_the_local_cache(tmp_path):
+    """``org/name`` as the Hugging Face cache holds it (nothing downloaded), not taken for a path."""
+    snapshot = tmp_path / "hub" / "models--someorg--tiny-llama" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text(json.dumps({**tiny_llama_config(), "architectures": ["LlamaForCausalLM"]}))
+    result = _cli_process("someorg/tiny-llama", "--layout", "ddp", "--world", "2", HF_HOME=str(tmp_path))
+    assert result.returncode == 0 and "someorg/tiny-llama (LlamaForCausalLM): ddp, 2 ranks" in result.stdout, \
+        result.stderr[-2000:]
 
 
 def test_cli_configs_it_cannot_plan_say_what_to_fix(tmp_path):

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from ..distributed import providers
 from ..distributed.exchange import gather_on_owners
 from ..distributed.sharding import is_dtensor, local
+from ..optimizer.param_split import split_change_hint
 from ..optimizer.shards import PendingState, Shard, fill_whole_state, shards_of
 
 DIRNAME = "hf_muon_state"
@@ -236,7 +237,8 @@ def compare(meta: dict, expected: dict[str, tuple[str, tuple[int, ...]]]) -> tup
         if shape_s != shape_e:
             model.append(f"{name}: shape {list(shape_s)} in the checkpoint, {list(shape_e)} now")
         elif alg_s != alg_e:
-            split.append(f"{name}: {alg_s} in the checkpoint, {alg_e} now (force_muon/force_adamw or the model changed)")
+            split.append(f"{name}: {alg_s} in the checkpoint, {alg_e} now (force_muon/force_adamw or the model changed"
+                         f"{split_change_hint([name])})")
     return model, split
 
 

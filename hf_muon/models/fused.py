@@ -488,7 +488,7 @@ def _weight_axis_blocks(weight: Tensor, blocks: Blocks, where: str) -> Blocks:
     model hf_muon misreads: refuse rather than orthogonalize the wrong blocks)."""
     length = weight.shape[blocks.dim(weight)] if weight.ndim in (2, 3) else -1
     end = 0  # the runs, sorted, must follow each other from 0 to the axis' length
-    for start, n in sorted(run for runs in blocks.segments for run in runs):
+    for start, n in sorted(run for runs in blocks.segments for run in runs if run[1]):  # a block may be empty
         end = end + n if start == end and n > 0 else -1
     if end != length:
         raise ValueError(f"hf_muon: the fused blocks read for {where} do not cover its weight of shape "

@@ -109,7 +109,8 @@ def build_param_groups(
                 part["param_names"].append(names[i])
         result.extend(parts.values())
     if guessed:
-        solid = [shape_of(p) for g in result if g["algorithm"] == MUON for p in g["params"] if len(shape_of(p)) >= 3]
+        solid = [shape_of(p) for g in result if g["algorithm"] == MUON and not g.get("stacked")
+                 for p in g["params"] if len(shape_of(p)) >= 3]
         warnings.warn(
             "hf_muon.Muon got tensors without their model, so every tensor of 2 or more dimensions goes to Muon, "
             "including any embedding or output head among them. Pass the model (Muon(model, ...), "
@@ -139,8 +140,9 @@ def read_stacked(group: dict, model: nn.Module | None) -> None:
                          "dimensions: put the experts in a group of their own (it reads them as a stack)")
     else:
         shapes = ", ".join(str(tuple(shape_of(p))) for p in tensors[:3])
-        warnings.warn(f"hf_muon: a param group pinned to 'muon' holds tensors of 3 or more dimensions without their "
-                      f"model ({shapes}{', ...' if len(tensors) > 3 else ''}): each is read as one matrix, out x (in * "
+        whose = "without their model" if model is None else "that the model does not read as stacked experts"
+        warnings.warn(f"hf_muon: a param group pinned to 'muon' holds tensors of 3 or more dimensions {whose} "
+                      f"({shapes}{', ...' if len(tensors) > 3 else ''}): each is read as one matrix, out x (in * "
                       "the rest), as a convolution's weight. For a stack of matrices (MoE experts [experts, out, in]) "
                       "give the group 'stacked': True; or pass the model", stacklevel=5)
         group["stacked"] = False

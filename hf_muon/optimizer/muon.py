@@ -32,7 +32,7 @@ from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SET
 from ..models.fused import (NS_SPLITS, Blocks, block_shapes, fused_blocks, unknown_fused_looking,
                             unknown_layout_warning)
 from .groups import build_param_groups, module_behind, read_stacked, validate_group
-from .param_split import MUON, shape_of, stored_in_by_out, unwrap
+from .param_split import MUON, shape_of, split_change_hint, stored_in_by_out, unwrap
 from .shards import PendingState
 from .summary import describe_optimizer
 from .telemetry import Stopwatch, StepFigures, Telemetry
@@ -771,8 +771,11 @@ class Muon(Optimizer):
         only group sizes, so another split of equal sizes would load momentum into the wrong tensors)."""
         saved = state_dict.get("param_groups", [])
         if len(saved) != len(self.param_groups):
+            muon_names = [n for g, names in zip(self.param_groups, self._model_names()) if g["algorithm"] == MUON
+                          for n in names or ()]
             raise ValueError(f"hf_muon.Muon.load_state_dict: the state has {len(saved)} param groups, this optimizer "
-                             f"{len(self.param_groups)}: it was saved from another model or parameter split")
+                             f"{len(self.param_groups)}: it was saved from another model or parameter split"
+                             + split_change_hint(muon_names))
 
         def kinds(groups: list[dict]) -> list[tuple]:
             return [(g.get("algorithm"), len(g["params"])) for g in groups]
@@ -798,7 +801,8 @@ class Muon(Optimizer):
             if names_then is not None and names_now is not None and not _same_names(names_then, names_now):
                 changed = sorted(set(names_then) ^ set(names_now))[:4]
                 raise ValueError(f"hf_muon.Muon.load_state_dict: group {i} ({new['algorithm']}) holds other parameters "
-                                 f"than when saved (e.g. {', '.join(changed) or 'another order'}): another model or split")
+                                 f"than when saved (e.g. {', '.join(changed) or 'another order'}): another model or split"
+                                 + split_change_hint(set(names_then) ^ set(names_now)))
             for saved_id, p in zip(old["params"], new["params"]):
                 for key, value in state_dict.get("state", {}).get(saved_id, {}).items():
                     if isinstance(value, Tensor) and value.ndim and tuple(value.shape) != tuple(p.shape):
@@ -807,9 +811,17 @@ class Muon(Optimizer):
                                          "the state was saved from another model or parameter split")
         named = [("param_names" in g) for g in self.param_groups]
         indices = [g["matrices_index"] for g in self.param_groups]
+        stacked = [g.get("stacked", False) for g in self.param_groups]
         super().load_state_dict(state_dict)
         changed_blocks = False
-        for group, had_names, index in zip(self.param_groups, named, indices):
+        for i, (group, had_names, index) in enumerate(zip(self.param_groups, named, indices)):
+            # a group pinned to Muon without 'stacked' read a MoE's experts as one matrix before hf_muon read
+            # the key from the model: its saved False is not a setting, the model's stacks stay stacks
+            if group["algorithm"] == MUON and stacked[i] and not group.get("stacked", False):
+                warnings.warn(f"hf_muon.Muon.load_state_dict: group {i} was saved orthogonalizing its stacked experts "
+                              "as one matrix each ('stacked': False, as hf_muon did for a group pinned to 'muon' "
+                              "without the key); each expert is orthogonalized on its own from now on", stacklevel=2)
+            group["stacked"] = stacked[i] or group.get("stacked", False)
             # torch copies every saved key in: the index of this optimizer's own tensors stays, and groups
             # without names keep none
             group["matrices_index"] = index

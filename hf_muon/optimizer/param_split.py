@@ -121,6 +121,15 @@ def stored_in_by_out(model: nn.Module) -> set[int]:
 MULTIHEAD_ATTENTION_MATRICES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
+def split_change_hint(names: Iterable[str]) -> str:
+    """What to add to a refused checkpoint's message where ``names`` (parameters whose optimizer
+    changed, or the Muon parameters now) show a split that an hf_muon upgrade changed."""
+    if any(str(n).rsplit(".", 1)[-1] in MULTIHEAD_ATTENTION_MATRICES for n in names):
+        return ("; if it was written before hf_muon gave nn.MultiheadAttention's input projections Muon (they "
+                "were AdamW), resume it with force_adamw=r'(in|q|k|v)_proj_weight$'")
+    return ""
+
+
 def _classify_in_body(module: nn.Module, local_name: str, p: nn.Parameter) -> tuple[str, str, bool]:
     """(algorithm, reason, stacked) for a parameter that lives in the model body."""
     kind = type(module).__name__

@@ -69,13 +69,14 @@ def load_config(model: str):
         except Exception as error:  # noqa: BLE001 - not JSON, or values the config class refuses
             raise ValueError(f"{model} is not a config transformers can read ({type(error).__name__}: "
                              f"{str(error).strip()[:300]}): fix it") from None
-    if model.endswith(".json") or os.sep in model:
+    # a path, not a model id ("org/name" ids have one slash and go to the cache below)
+    if model.endswith(".json") or model.startswith((".", os.sep, "~")) or model.count("/") > 1:
         raise ValueError(f"{model}: no such file or folder")
     try:
         return transformers.AutoConfig.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError) as error:
         raise ValueError(
-            f"{model!r} is not a shipped preset ({', '.join(preset_names())}), a local folder or config.json, "
+            f"{model!r} is not a shipped preset ({', '.join(preset_names())}), an existing folder or config.json, "
             f"or a model id in the local Hugging Face cache (nothing is downloaded): {error}"
         ) from None
 
