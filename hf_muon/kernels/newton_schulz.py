@@ -194,10 +194,10 @@ def orthogonalize(
     steps = DEFAULT_NS_STEPS[precondition] if steps is None else steps
     if not (isinstance(steps, int) and steps >= 1):
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    # AOL drops the first iteration of the usual schedule (Turbo-Muon): its start is already past
-    # where that iteration leads, so Polar Express begins at its second polynomial.
     if G.numel() == 0:  # a matrix with no rows or columns (e.g. nn.Linear(8, 0)) has nothing to orthogonalize
         return G.to(dtype if dtype is not None else G.dtype, copy=True)
+    # AOL drops the first iteration of the usual schedule (Turbo-Muon): its start is already past
+    # where that iteration leads, so Polar Express begins at its second polynomial.
     skipped = 1 if precondition == "aol" else 0
     schedule = coefficient_schedule(coefficients, steps + skipped)[skipped:]
     # Scale each matrix by a power of two to a largest entry in [0.5, 1): exact (so results are

@@ -135,7 +135,7 @@ def read_stacked(group: dict, model: nn.Module | None) -> None:
     kinds = {table[id(p)][1] if table.get(id(p), (None,))[0] == MUON else None for p in tensors}
     if kinds == {True} or kinds == {False}:
         group["stacked"] = kinds.pop()
-    elif kinds == {True, False} or (True in kinds):
+    elif True in kinds:  # with tensors the model does not stack
         raise ValueError("a param group pinned to 'muon' holds stacked MoE experts and other tensors of 3 or more "
                          "dimensions: put the experts in a group of their own (it reads them as a stack)")
     else:
