@@ -27,13 +27,15 @@ FUSED_CASES = [("gpt2", "2,3"), ("phi3", "3"), ("neox", "3"), ("falcon", "3")]
 # The 2-rank runs of this file, by name: one launch runs them in turn (DeepSpeed's start-up in each
 # rank is most of a launch). Each case's figures are by stage.
 ZERO_CASES = {
+    # first: after a ZeRO-3 engine DeepSpeed's linear stands in for F.linear in this process, and it cannot
+    # take a matrix with no rows (nor can ZeRO-3 shard one: DeepSpeed's own limits); ZeRO-1 binds its
+    # partitions as ZeRO-2 does
+    "torch-layer": ["--stages", "2", "--model", "torch_layer", "--steps", "3"],
     **{f"accumulation-{a}": ["--stages", STAGES, "--accumulation", str(a)] for a in (1, 4)},
     # GPT-2 with adjust_lr="original": its Conv1D weights are read [in, out] in the partitions too
     **{f"{model}-fused": ["--stages", stages, "--model", model, "--steps", "4",
                           *(["--adjust_lr", "original"] if model == "gpt2" else [])] for model, stages in FUSED_CASES},
     "mixtral": ["--stages", "2,3", "--model", "mixtral", "--steps", "3"],
-    # ZeRO-1 binds partitions as ZeRO-2 does; ZeRO-3 cannot shard a matrix with no rows (DeepSpeed's own limit)
-    "torch-layer": ["--stages", "2", "--model", "torch_layer", "--steps", "3"],
     "auto-rates": ["--stages", "2,3", "--steps", "3", "--exchange_flops_per_byte", "auto"],
     "bf16": ["--stages", "0,1,2,3", "--dtype", "bf16"],
     "bf16-fp32-accum": ["--stages", "1", "--dtype", "bf16_fp32_accum"],
