@@ -316,8 +316,8 @@ def test_a_pinned_muon_group_reads_stacked_experts_from_the_model():
     both = nn.ModuleDict({"model": model, "conv": conv})
     with pytest.raises(ValueError, match="stacked MoE experts and other tensors .* a group of their own"):
         Muon([{"params": experts + [conv.weight], "algorithm": "muon"}], model=both)
-    with pytest.warns(UserWarning, match=r"pinned to 'muon' holds tensors of 3 or more dimensions without their model "
-                                         r"\(\(3, 96, 32\)"):
+    with pytest.warns(UserWarning, match=r"1 Muon tensor\(s\) of 3 or more dimensions without their model "
+                                         r"\(\(3, 96, 32\)\): each is read as one matrix"):
         Muon([{"params": experts[:1], "algorithm": "muon"}])
     with pytest.warns(UserWarning, match=r"without their model.*\(3, 96, 32\).*'stacked': True"):
         Muon([nn.Parameter(torch.zeros(3, 96, 32))])

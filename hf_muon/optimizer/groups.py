@@ -89,6 +89,8 @@ def build_param_groups(
     for group in groups:
         providers.check_group(group)  # before splitting: a refused key is reported once, as given
         if "algorithm" in group:
+            if group["algorithm"] == MUON and "stacked" not in group:
+                read_stacked(group, table, stacklevel=4)  # user -> Muon.__init__ -> here -> read_stacked
             result.append(group)
             continue
         names = group.get("param_names")
@@ -107,45 +109,40 @@ def build_param_groups(
             part["params"].append(p)
             if names:
                 part["param_names"].append(names[i])
+        for part in parts.values():
+            if part["algorithm"] == MUON and not part["stacked"]:  # guessed 3-D tensors: said how they are read
+                read_stacked(part, table, stacklevel=4)
         result.extend(parts.values())
     if guessed:
-        solid = [shape_of(p) for g in result if g["algorithm"] == MUON and not g.get("stacked")
-                 for p in g["params"] if len(shape_of(p)) >= 3]
         warnings.warn(
             "hf_muon.Muon got tensors without their model, so every tensor of 2 or more dimensions goes to Muon, "
             "including any embedding or output head among them. Pass the model (Muon(model, ...), "
-            "Muon(model.parameters(), ...) or Muon(params, model=model)) to give those AdamW."
-            + (f" Tensors of 3 or more dimensions ({', '.join(str(tuple(s)) for s in solid[:3])}) are each read as one "
-               "matrix, out x (in * the rest), as a convolution's weight; for a stack of matrices (MoE experts) "
-               "give their group 'algorithm': 'muon' and 'stacked': True." if solid else ""),
+            "Muon(model.parameters(), ...) or Muon(params, model=model)) to give those AdamW.",
             stacklevel=3,
         )
     return result
 
 
-def read_stacked(group: dict, model: nn.Module | None) -> None:
-    """Set a Muon group's ``"stacked"``, which it did not give, from the model: whether its tensors of
-    3 or more dimensions are stacks of matrices (MoE experts ``[experts, out, in]``, each
-    orthogonalized on its own) or one matrix each (a convolution's ``[out, in, kernel...]``). Tensors
-    the model does not know are read as convolutions, with a warning saying how to say otherwise."""
+def read_stacked(group: dict, table: dict[int, tuple[str, bool]] | None, stacklevel: int = 3) -> None:
+    """Set a Muon group's ``"stacked"`` from the model's split (``table``: ``ParameterSplit.algorithm_of()``,
+    ``None`` without a model): whether its tensors of 3 or more dimensions are stacks of matrices (MoE
+    experts ``[experts, out, in]``, each orthogonalized on its own) or one matrix each (a convolution's
+    ``[out, in, kernel...]``). Tensors the model does not know are read as convolutions, with a warning
+    saying how to say otherwise; experts beside other such tensors are refused."""
     tensors = [p for p in group["params"] if len(shape_of(p)) >= 3]
-    if not tensors:
-        return
-    table = split_parameters(model).algorithm_of() if model is not None else {}
-    kinds = {table[id(p)][1] if table.get(id(p), (None,))[0] == MUON else None for p in tensors}
-    if kinds == {True} or kinds == {False}:
-        group["stacked"] = kinds.pop()
-    elif True in kinds:  # with tensors the model does not stack
+    kinds = [table[id(p)][1] if table is not None and table.get(id(p), (None,))[0] == MUON else None for p in tensors]
+    if True in kinds and set(kinds) != {True}:
         raise ValueError("a param group pinned to 'muon' holds stacked MoE experts and other tensors of 3 or more "
                          "dimensions: put the experts in a group of their own (it reads them as a stack)")
-    else:
-        shapes = ", ".join(str(tuple(shape_of(p))) for p in tensors[:3])
-        whose = "without their model" if model is None else "that the model does not read as stacked experts"
-        warnings.warn(f"hf_muon: a param group pinned to 'muon' holds tensors of 3 or more dimensions {whose} "
-                      f"({shapes}{', ...' if len(tensors) > 3 else ''}): each is read as one matrix, out x (in * "
-                      "the rest), as a convolution's weight. For a stack of matrices (MoE experts [experts, out, in]) "
-                      "give the group 'stacked': True; or pass the model", stacklevel=5)
-        group["stacked"] = False
+    group["stacked"] = True in kinds
+    unknown = [tuple(shape_of(p)) for p, kind in zip(tensors, kinds) if kind is None]
+    if unknown:
+        whose = "without their model" if table is None else "that the model does not read as stacked experts"
+        warnings.warn(f"hf_muon: {len(unknown)} Muon tensor(s) of 3 or more dimensions {whose} "
+                      f"({', '.join(map(str, unknown[:3]))}{', ...' if len(unknown) > 3 else ''}): each is read as one "
+                      "matrix, out x (in * the rest), as a convolution's weight. For a stack of matrices (MoE experts "
+                      "[experts, out, in]) give their group 'algorithm': 'muon' and 'stacked': True; or pass the model",
+                      stacklevel=stacklevel)
 
 
 def validate_group(group: dict) -> None:

@@ -32,7 +32,7 @@ from ..kernels.newton_schulz import (DEFAULT_NS_PRECONDITION, NS_COEFFICIENT_SET
 from ..models.fused import (NS_SPLITS, Blocks, block_shapes, fused_blocks, unknown_fused_looking,
                             unknown_layout_warning)
 from .groups import build_param_groups, module_behind, read_stacked, validate_group
-from .param_split import MUON, shape_of, split_change_hint, stored_in_by_out, unwrap
+from .param_split import MUON, shape_of, split_change_hint, split_parameters, stored_in_by_out, unwrap
 from .shards import PendingState
 from .summary import describe_optimizer
 from .telemetry import Stopwatch, StepFigures, Telemetry
@@ -648,8 +648,9 @@ class Muon(Optimizer):
                              if named else "have no parameter names: add the group without 'param_names'"))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if group["algorithm"] == MUON and not stacked_given:
-            read_stacked(group, self._read_model(group["params"]))
+        if group["algorithm"] == MUON and not stacked_given:  # a group added after construction
+            model = self._read_model(group["params"])
+            read_stacked(group, split_parameters(model).algorithm_of() if model is not None else None)
         validate_group(group)
         self._check_hyperparameters(group)
         group["ns_dtype"] = ns_dtype_name(group["ns_dtype"])
